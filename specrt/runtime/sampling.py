@@ -1,0 +1,84 @@
+"""All sampling math in one place: warping, drawing, and the lossless accept/resample test.
+
+Pure functions on numpy arrays. `p_draft` is the draft model's warped distribution, `p_target`
+the target's; both are warped by the same function with the same settings, so the speculative
+output is distributed exactly as plain sampling from the warped target (Leviathan et al. 2023,
+Chen et al. 2023). Every random decision takes its uniform variates from the caller, so a seed
+reproduces and the number of draws per round is fixed.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.config import SamplingConfig
+
+
+def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+    """logits [N, V] -> probabilities [N, V] (float64): temperature, then top-k, then top-p.
+
+    The order is the one transformers' generate applies. top-p keeps the smallest set of most
+    likely tokens whose mass reaches top_p (at least one token).
+    """
+    z = logits.astype(np.float64) / cfg.temperature  # [N, V]
+    if 0 < cfg.top_k < z.shape[-1]:
+        kth = np.partition(z, -cfg.top_k, axis=-1)[:, -cfg.top_k, None]  # [N, 1]
+        z = np.where(z < kth, -np.inf, z)
+    z -= z.max(axis=-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=-1, keepdims=True)
+    if cfg.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")  # [N, V]
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p
+        keep_sorted = mass_before < cfg.top_p  # the first token always has mass_before 0
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def draw(dist: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from a (possibly unnormalised) distribution [V] with one uniform u in [0, 1)."""
+    cdf = np.cumsum(dist)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(dist) - 1))
+
+
+def accept_greedy(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
+    """draft_tokens [k], target_logits [k+1, V] -> (n accepted, next token).
+
+    Accept while the draft token is the target's argmax; the next token is the target's argmax at
+    the first mismatch (or the bonus position k).
+    """
+    best = target_logits.argmax(axis=-1)  # [k+1]
+    k = len(draft_tokens)
+    n = int(np.argmin(np.append(draft_tokens == best[:k], False)))
+    return n, int(best[n])
+
+
+def accept_sample(draft_tokens: np.ndarray, p_draft: np.ndarray | None, p_target: np.ndarray,
+                  u: np.ndarray) -> tuple[int, int]:
+    """The lossless rejection test. draft_tokens [k], p_draft [k, V] (None: point masses, as from a
+    prompt-lookup drafter), p_target [k+1, V], u [k+1] uniforms -> (n accepted, next token).
+
+    Accept d_i with probability min(1, p_target(d_i) / p_draft(d_i)); p_draft(d_i) == 0 rejects.
+    At the first rejection n, draw from normalize(max(p_target[n] - p_draft[n], 0)), or from
+    p_target[n] if that residual has no mass. If all k are accepted, draw the bonus from p_target[k].
+    """
+    k = len(draft_tokens)
+    rows = np.arange(k)
+    pt = p_target[rows, draft_tokens]  # [k]
+    pd = np.ones(k) if p_draft is None else p_draft[rows, draft_tokens]  # [k]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ok = (pd > 0) & (u[:k] * pd <= pt)  # u <= pt/pd without dividing
+    n = int(np.argmin(np.append(ok, False)))
+    if n == k:
+        return n, draw(p_target[k], u[k])
+    if p_draft is None:
+        residual = p_target[n].copy()
+        residual[draft_tokens[n]] = 0.0
+    else:
+        residual = np.maximum(p_target[n] - p_draft[n], 0.0)
+    if residual.sum() <= 1e-12:
+        residual = p_target[n]
+    return n, draw(residual, u[k])
