@@ -104,6 +104,51 @@ def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
         click.echo(summary(res.stats), err=True)
 
 
+def _int_list(ctx, param, value):
+    try:
+        vals = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise click.BadParameter(f"expected comma-separated integers >= 0, got {value!r}")
+    return vals
+
+
+@main.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), default=None,
+              help="JSONL file: one {id, prompt | messages, class, chat} per line.")
+@click.option("--prompt", "prompt_text", default=None, help="A single chat prompt instead of --prompts.")
+@click.option("--draft-lens", default="0,1,2,3,4,6,8", show_default=True, callback=_int_list,
+              help="Comma-separated draft lengths to compare (0 = target only).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens per generation.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median reported).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
+@_errors
+def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, limit, json_out):
+    """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
+    from specrt.config import SamplingConfig
+    from specrt.errors import ConfigError
+    from specrt.runtime.bench import Prompt, format_table, read_prompts, run_bench
+    from specrt.runtime.pair import load
+
+    if (prompts is None) == (prompt_text is None):
+        raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    sampling = SamplingConfig(temperature=temperature)
+    with load(pair_dir) as pair:
+        plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
+        total = repeats * len(draft_lens) * len(plist)
+        with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
+            res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling, progress=lambda: bar.update(1))
+    click.echo(format_table(res))
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2))
+
+
 def summary(s: dict) -> str:
     return (f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, draft_len {s['draft_len']}, "
             f"acceptance {s['acceptance_rate']:.0%}, {s['tokens_per_target_pass']:.2f} tokens/target pass, "

@@ -167,9 +167,12 @@ def _consolidate(path: Path) -> None:
 
 def quantize_int4(path: Path, block_size: int, accuracy_level: int) -> dict:
     """Weight-only int4 (onnxruntime's MatMulNBits) for every MatMul with a constant weight."""
+    import logging
+
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(path))
     algo = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level)
     q = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,

@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny pairs exported once per test run.
+
+Every pair here is built from random-weight checkpoints made by `specrt.export.tiny`, exported with
+`export_pair`, and loaded with `specrt.load`. Building one takes about a second; each is built once per
+session in a `tmp_path_factory` folder. Tests that need to change a pair folder copy it first
+(`copy_pair`), so the session fixtures stay pristine.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# 2 shared cores: one thread each for torch (export, reference forwards) and the subprocesses we start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from _helpers import WORDS, export
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("specrt")
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(work) -> dict[str, tuple[Path, Path]]:
+    """{"qwen2": (target_dir, draft_dir), "llama": (...)}: Hugging Face folders of the tiny pairs."""
+    import torch
+
+    from specrt.export.tiny import make_tiny_pair
+
+    torch.set_num_threads(1)
+    return {mt: make_tiny_pair(work / f"hf-{mt}", model_type=mt) for mt in ("qwen2", "llama")}
+
+
+@pytest.fixture(scope="session")
+def torch_models(hf_tiny) -> dict:
+    """{(model_type, role): transformers model} of the tiny HF folders, for reference forwards."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return {(mt, role): AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            for mt, folders in hf_tiny.items() for role, folder in zip(("target", "draft"), folders)}
+
+
+@pytest.fixture(scope="session")
+def qwen_dir(work, hf_tiny) -> Path:
+    export(*hf_tiny["qwen2"], work / "pair-qwen2")
+    return work / "pair-qwen2"
+
+
+@pytest.fixture(scope="session")
+def llama_dir(work, hf_tiny) -> Path:
+    export(*hf_tiny["llama"], work / "pair-llama")
+    return work / "pair-llama"
+
+
+@pytest.fixture(scope="session")
+def same_dir(work, hf_tiny) -> Path:
+    """The tiny Qwen2 target as both draft and target: greedy acceptance must be exactly 1."""
+    target = hf_tiny["qwen2"][0]
+    export(target, target, work / "pair-same")
+    return work / "pair-same"
+
+
+@pytest.fixture(scope="session")
+def stat_dir(work) -> Path:
+    """An 11-id word-vocabulary pair whose draft is an unrelated model (partial acceptance)."""
+    from specrt.export.tiny import make_model, make_word_tokenizer
+
+    tok = make_word_tokenizer(WORDS)
+    make_model(work / "hf-stat" / "target", tok, "qwen2", layers=2, init=0.3, seed=0)
+    make_model(work / "hf-stat" / "draft", tok, "qwen2", layers=1, init=0.3, seed=1)
+    export(work / "hf-stat" / "target", work / "hf-stat" / "draft", work / "pair-stat", max_len=64, max_draft_len=4)
+    return work / "pair-stat"
+
+
+@pytest.fixture(scope="session")
+def int4_dir(work, hf_tiny) -> Path:
+    """The tiny Qwen2 pair, int4 weight-only (MatMulNBits, accuracy_level 0)."""
+    import logging
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # one INFO line per node otherwise
+    export(*hf_tiny["qwen2"], work / "pair-int4", precision="int4")
+    return work / "pair-int4"
+
+
+def _load(d):
+    import specrt
+
+    pair = specrt.load(d, threads=1)
+    yield pair
+    pair.close()
+
+
+@pytest.fixture(scope="session")
+def qwen_pair(qwen_dir):
+    yield from _load(qwen_dir)
+
+
+@pytest.fixture(scope="session")
+def llama_pair(llama_dir):
+    yield from _load(llama_dir)
+
+
+@pytest.fixture(scope="session")
+def same_pair(same_dir):
+    yield from _load(same_dir)
+
+
+@pytest.fixture(scope="session")
+def stat_pair(stat_dir):
+    yield from _load(stat_dir)
+
+
+@pytest.fixture(scope="session")
+def int4_pair(int4_dir):
+    yield from _load(int4_dir)
+
+
+@pytest.fixture(scope="session")
+def pairs(qwen_pair, llama_pair) -> dict:
+    return {"qwen2": qwen_pair, "llama": llama_pair}

@@ -1,0 +1,349 @@
+"""Export: the manifest, the integrity checks on load, tokenizer compatibility, atomic output, int4."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import specrt
+from _helpers import WORDS, copy_pair, export
+from specrt.config import FORMAT_NAME, FORMAT_VERSION, KV_LAYOUT, read_manifest, sha256_file
+from specrt.errors import ConfigError, ExportError, PairError
+from specrt.export.graph import io_names
+from specrt.export.pair import ExportConfig
+
+
+def _partials(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if ".partial-" in p.name]
+
+
+# ---------------------------------------------------------------- the manifest
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_manifest_describes_the_pair(request, model_type):
+    d = request.getfixturevalue({"qwen2": "qwen_dir", "llama": "llama_dir"}[model_type])
+    raw = json.loads((d / "manifest.json").read_text())
+    assert raw["format"] == FORMAT_NAME and raw["format_version"] == FORMAT_VERSION == 1
+    assert raw["kv_layout"] == KV_LAYOUT == "seq,batch,kv_heads,head_dim"
+    assert raw["vocab_size"] == 320  # the tokenizer's ids, not the 384/352 output rows
+    assert raw["eos_token_ids"] == [2]
+    assert raw["max_len"] == 256 and raw["max_draft_len"] == 8
+    assert raw["created_by"].startswith("specrt")
+    for name in raw["tokenizer_files"]:
+        assert (d / name).is_file()
+    assert "tokenizer.json" in raw["tokenizer_files"]
+
+    for role, layers, width in (("target", 4, 384), ("draft", 2, 352)):
+        e = raw[role]
+        assert e["model_type"] == model_type and e["precision"] == "fp32" and e["dtype"] == "float32"
+        assert (e["num_layers"], e["num_kv_heads"], e["head_dim"], e["logits_width"]) == (layers, 2, 16, width)
+        assert e["quantization"] is None
+        ins, outs = io_names(layers)
+        assert list(e["inputs"]) == ins and list(e["outputs"]) == outs
+        for n in ("input_ids", "position_ids", "attention_mask", "logit_positions"):
+            assert e["inputs"][n]["dtype"] == "int64"
+        assert e["inputs"]["input_ids"]["shape"] == ["batch", "seq"]
+        assert e["inputs"]["logit_positions"]["shape"] == ["n_logits"]
+        assert e["outputs"]["logits"] == {"dtype": "float32", "shape": ["batch", "n_logits", width]}
+        for i in range(layers):
+            for n in (f"past_key.{i}", f"past_value.{i}"):
+                assert e["inputs"][n] == {"dtype": "float32", "shape": ["past", "batch", 2, 16]}
+            for n in (f"new_key.{i}", f"new_value.{i}"):
+                assert e["outputs"][n]["dtype"] == "float32"
+                assert e["outputs"][n]["shape"][:3] == ["seq", "batch", 2]
+        # every file of the graph folder is listed, with its sha256
+        assert e["path"] == f"{role}/model.onnx"
+        on_disk = sorted(f"{role}/{p.name}" for p in (d / role).iterdir() if not p.name.startswith("."))
+        assert sorted(e["files"]) == on_disk
+        for name, digest in e["files"].items():
+            assert sha256_file(d / name) == digest
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: manifest shape of new_key.i has a symbolic last dim "
+                   "('Transposenew_key.0_dim_3') instead of head_dim 16; new_value.i is concrete")
+def test_manifest_new_kv_shapes_are_concrete(qwen_dir):
+    e = json.loads((qwen_dir / "manifest.json").read_text())["target"]
+    for i in range(e["num_layers"]):
+        for n in (f"new_key.{i}", f"new_value.{i}"):
+            assert e["outputs"][n]["shape"] == ["seq", "batch", 2, 16], (n, e["outputs"][n]["shape"])
+
+
+def test_read_manifest_roundtrip(qwen_dir):
+    m = read_manifest(qwen_dir)
+    assert m.target.kv_names(1) == ("past_key.1", "past_value.1", "new_key.1", "new_value.1")
+    assert json.loads(m.to_json()) == json.loads((qwen_dir / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------- integrity on load
+
+
+def _edit_manifest(d: Path, fn):
+    m = json.loads((d / "manifest.json").read_text())
+    fn(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_tampered_graph_is_refused(qwen_dir, tmp_path, role):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    specrt.load(d).close()  # a clean load first (may leave a verification stamp)
+    f = d / role / "model.onnx"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(PairError, match="sha256"):
+        specrt.load(d)
+
+
+def test_missing_graph_file_is_refused(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    (d / "draft" / "model.onnx").unlink()
+    with pytest.raises(PairError, match="missing graph file"):
+        specrt.load(d)
+
+
+def test_unreadable_graph_without_verification_is_a_pair_error(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    f = d / "target" / "model.onnx"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(PairError, match="cannot load"):
+        specrt.load(d, verify=False)
+
+
+def test_graph_not_matching_manifest_io_is_refused(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+
+    def rename(m):
+        m["target"]["inputs"]["position_ids_renamed"] = m["target"]["inputs"].pop("position_ids")
+
+    _edit_manifest(d, rename)
+    with pytest.raises(PairError, match="does not match its manifest"):
+        specrt.load(d)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m.update(format_version=2), "format version 2"),
+    (lambda m: m.update(format_version=None), "format version"),
+    (lambda m: m.update(format="something-else"), "not a specrt manifest"),
+    (lambda m: m.pop("target"), "corrupt manifest"),
+    (lambda m: m.update(unknown_field=1), "corrupt manifest"),
+    (lambda m: m["target"].pop("num_layers"), "corrupt manifest"),
+])
+def test_bad_manifest_is_a_pair_error(qwen_dir, tmp_path, edit, match):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    _edit_manifest(d, edit)
+    with pytest.raises(PairError, match=match):
+        specrt.load(d)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe\x00garbage", b""])
+def test_corrupt_manifest_file(qwen_dir, tmp_path, content):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    (d / "manifest.json").write_bytes(content)
+    with pytest.raises(PairError):
+        specrt.load(d)
+
+
+def test_missing_pair_folder_and_missing_manifest(tmp_path):
+    with pytest.raises(PairError, match="not found"):
+        specrt.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PairError, match="no manifest.json"):
+        specrt.load(tmp_path / "empty")
+
+
+def test_missing_tokenizer_is_a_pair_error(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(PairError, match="tokenizer"):
+        specrt.load(d)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: verify_files' stamp path pair_dir/'.target/model.onnx.verified' lies in "
+                   "a folder that does not exist, the write's OSError is swallowed, so every load re-hashes every "
+                   "graph (seconds for real models) despite the docstring")
+def test_verified_graphs_are_not_hashed_again(qwen_dir, tmp_path, monkeypatch):
+    import specrt.config as config
+
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    specrt.load(d).close()
+    calls = []
+    real = config.sha256_file
+    monkeypatch.setattr(config, "sha256_file", lambda p, *a, **kw: calls.append(p) or real(p, *a, **kw))
+    specrt.load(d).close()
+    assert calls == []
+
+
+# ---------------------------------------------------------------- tokenizer compatibility
+
+
+def test_identical_tokenizers_and_padded_output_rows(qwen_dir, same_dir):
+    # same_dir: one checkpoint twice; qwen_dir: 384 target rows vs 352 draft rows over a 320-id tokenizer
+    assert read_manifest(same_dir).vocab_size == 320
+    m = read_manifest(qwen_dir)
+    assert (m.vocab_size, m.target.logits_width, m.draft.logits_width) == (320, 384, 352)
+
+
+def _swap_tokenizer(src: Path, dst: Path, tok) -> Path:
+    shutil.copytree(src, dst)
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
+
+
+@pytest.mark.parametrize("which", ["bpe300", "words"])
+def test_different_tokenizers_are_refused(hf_tiny, tmp_path, which):
+    from specrt.export.tiny import make_tokenizer, make_word_tokenizer
+
+    tok = make_tokenizer(vocab_size=300) if which == "bpe300" else make_word_tokenizer(WORDS)
+    target, draft = hf_tiny["qwen2"]
+    other = _swap_tokenizer(draft, tmp_path / "draft", tok)
+    with pytest.raises(ExportError, match=r"tokenizers differ at \d+ ids: \d+ \(") as e:
+        export(target, other, tmp_path / "out")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists() and not _partials(tmp_path)
+
+
+def test_model_with_fewer_output_rows_than_tokenizer_ids_is_refused(hf_tiny, tmp_path):
+    target, draft = hf_tiny["qwen2"]
+    small = tmp_path / "draft"
+    shutil.copytree(draft, small)
+    cfg = json.loads((small / "config.json").read_text())
+    cfg["vocab_size"] = 300
+    (small / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="ids up to 319 but the draft model has only 300 output rows"):
+        export(target, small, tmp_path / "out")
+    assert not _partials(tmp_path)
+
+
+# ---------------------------------------------------------------- the output folder
+
+
+def test_export_refuses_non_empty_out_and_overwrite_replaces(hf_tiny, tmp_path):
+    target, draft = hf_tiny["qwen2"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not empty"):
+        export(target, draft, out)
+    assert (out / "keep.txt").read_text() == "mine" and not _partials(tmp_path)
+    export(target, draft, out, overwrite=True, max_len=64)
+    assert not (out / "keep.txt").exists() and not _partials(tmp_path)
+    with specrt.load(out) as pair:
+        assert pair.manifest.max_len == 64
+        assert len(pair.generate("def", max_new_tokens=4).tokens) == 4
+
+
+def test_export_into_empty_existing_folder(hf_tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    export(*hf_tiny["qwen2"], out, max_len=32, max_draft_len=2)
+    assert read_manifest(out).max_draft_len == 2
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: export_pair calls out.iterdir() on an existing *file* --out outside its "
+                   "try block: NotADirectoryError escapes instead of an ExportError (CLI prints a traceback)")
+def test_export_out_is_an_existing_file(hf_tiny, tmp_path):
+    (tmp_path / "out").write_text("x")
+    with pytest.raises(ExportError):
+        export(*hf_tiny["qwen2"], tmp_path / "out")
+
+
+def test_unsupported_architecture_is_refused_and_cleaned_up(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from specrt.export.tiny import _save_tokenizer, make_tokenizer
+
+    src = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=64)).save_pretrained(src)
+    _save_tokenizer(make_tokenizer(), src)
+    with pytest.raises(ExportError, match="'gpt2' is not supported"):
+        export(src, src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not _partials(tmp_path)
+
+
+@pytest.mark.parametrize("source,match", [
+    ("does/not/exist/anywhere", "model source not found"),
+    ("./relative-missing", "model source not found"),
+])
+def test_source_not_found(hf_tiny, tmp_path, source, match):
+    with pytest.raises(ExportError, match=match):
+        export(source, hf_tiny["qwen2"][1], tmp_path / "out")
+    assert not _partials(tmp_path)
+
+
+def test_source_folder_without_config_and_non_gguf_file(hf_tiny, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExportError, match="no config.json"):
+        export(tmp_path / "empty", hf_tiny["qwen2"][1], tmp_path / "out")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ExportError, match="not a .gguf file"):
+        export(tmp_path / "weights.bin", hf_tiny["qwen2"][1], tmp_path / "out")
+    assert not _partials(tmp_path)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(precision="int8"), "unknown precision"),
+    (dict(max_len=8), "max_len"),
+    (dict(max_draft_len=0), "max_draft_len"),
+    (dict(max_draft_len=65), "max_draft_len"),
+    (dict(block_size=48), "block_size"),
+    (dict(accuracy_level=5), "accuracy_level"),
+])
+def test_export_config_validation(kw, match):
+    with pytest.raises(ExportError, match=match):
+        ExportConfig(target="a", draft="b", out=Path("c"), **kw)
+
+
+def test_target_only_pair(hf_tiny, tmp_path):
+    export(hf_tiny["qwen2"][0], None, tmp_path / "solo", max_len=64)
+    m = read_manifest(tmp_path / "solo")
+    assert m.draft is None and not (tmp_path / "solo" / "draft").exists()
+    with specrt.load(tmp_path / "solo") as pair:
+        assert len(pair.generate("def", max_new_tokens=5, draft_len=0).tokens) == 5
+        with pytest.raises(ConfigError, match="no draft model"):
+            pair.generate("def", max_new_tokens=5, draft_len=2)
+
+
+# ---------------------------------------------------------------- int4
+
+
+def test_int4_manifest_and_graph(int4_dir):
+    import onnx
+
+    m = read_manifest(int4_dir)
+    for e in (m.target, m.draft):
+        assert e.precision == "int4"
+        assert e.quantization == {"method": "MatMulNBits", "bits": 4, "block_size": 32, "accuracy_level": 0,
+                                  "symmetric": True}
+        for name, digest in e.files.items():
+            assert sha256_file(int4_dir / name) == digest
+        proto = onnx.load(str(int4_dir / e.path), load_external_data=False)
+        ops = [n.op_type for n in proto.graph.node]
+        # q, k, v, o, gate, up, down per layer + lm_head; only activation x activation MatMuls remain
+        assert ops.count("MatMulNBits") == 7 * e.num_layers + 1
+        inits = {i.name for i in proto.graph.initializer}
+        assert not any(n.op_type == "MatMul" and set(n.input) & inits for n in proto.graph.node)
+
+
+def test_int4_logits_close_to_fp32(int4_pair, qwen_pair):
+    ids = np.array([[40, 41, 42, 43, 44, 45]])
+    a = int4_pair.target.forward(ids, np.array([5]))[0, 0, :320].copy()
+    b = qwen_pair.target.forward(ids, np.array([5]))[0, 0, :320].copy()
+    int4_pair.target.truncate(0), qwen_pair.target.truncate(0)
+    assert np.corrcoef(a, b)[0, 1] > 0.9
+
+
+@pytest.mark.parametrize("prompt", ["def quicksort(xs):", "class Stack:", [40, 41, 42, 43], list(range(3, 40))],
+                         ids=lambda p: repr(p)[:16])
+def test_int4_greedy_speculative_equals_target_only(int4_pair, prompt):
+    base = int4_pair.generate(prompt, max_new_tokens=48, draft_len=0)
+    assert len(base.tokens) == 48
+    for k in (1, 2, 4, 8):
+        res = int4_pair.generate(prompt, max_new_tokens=48, draft_len=k)
+        assert res.tokens == base.tokens, f"draft_len {k}"
+    samp = int4_pair.generate(prompt, max_new_tokens=16, draft_len=4, temperature=0.8, seed=1)
+    assert len(samp.tokens) == 16 and 0 <= samp.stats["acceptance_rate"] <= 1
