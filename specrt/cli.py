@@ -38,15 +38,16 @@ def main():
 
 @main.command()
 @click.option("--target", required=True, help="Target model: Hugging Face folder, .gguf file, known name or hub id.")
-@click.option("--draft", required=True, help="Draft model: same kinds of source as --target, same tokenizer.")
+@click.option("--draft", default=None,
+              help="Draft model: same kinds of source as --target, same tokenizer (omit for an n-gram-only pair).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Pair folder to create.")
 @click.option("--precision", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
               help="Weights: fp32, or int4 weight-only (MatMulNBits) for CPU/edge.")
 @click.option("--max-draft-len", type=int, default=8, show_default=True, help="Most draft tokens per round.")
 @click.option("--max-len", type=int, default=2048, show_default=True, help="KV cache length (prompt + output).")
 @click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per quantization block.")
-@click.option("--accuracy-level", type=int, default=0, show_default=True,
-              help="int4: MatMulNBits compute, 0 = fp32 activations (verify == decode numerics), 4 = int8 (faster).")
+@click.option("--accuracy-level", type=int, default=4, show_default=True,
+              help="int4: MatMulNBits compute, 4 = int8 activations (fast), 0 = fp32 (one-token and verify passes agree to ~1e-5).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
 @_errors
 def export(target, draft, out, precision, max_draft_len, max_len, block_size, accuracy_level, overwrite):
@@ -81,18 +82,23 @@ def fetch(name, out):
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling.")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Draft tokens per round (0 = target only).")
+@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
+              help="model: the pair's draft model (default if it has one); ngram: prompt lookup, no draft model "
+                   "(default otherwise); hybrid: the n-gram proposal when there is one, else the model.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
 @_errors
-def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, stop, chat, as_json):
+def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, chat,
+             as_json):
     """Generate text with speculative decoding from a pair folder."""
     from specrt.config import GenerationConfig, SamplingConfig
     from specrt.runtime.pair import load
 
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
-                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     with load(pair_dir) as pair:
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+                               drafter=drafter or pair.default_drafter, sampling=sampling)
         ids = pair.encode(prompt, chat=chat)
         stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
         res = pair.run(ids, cfg, on_text=stream)
@@ -124,10 +130,13 @@ def _int_list(ctx, param, value):
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens per generation.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median reported).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--drafters", default=None,
+              help="Comma-separated drafters to compare: model, ngram, hybrid (default: the pair's default drafter).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
 @_errors
-def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, limit, json_out):
+def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
+          json_out):
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
     from specrt.errors import ConfigError
@@ -141,9 +150,12 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
     sampling = SamplingConfig(temperature=temperature)
     with load(pair_dir) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
-        total = repeats * len(draft_lens) * len(plist)
+        names = [d.strip() for d in (drafters or pair.default_drafter).split(",") if d.strip()]
+        total = repeats * len(draft_lens) * len(plist) * len(names)
         with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
-            res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling, progress=lambda: bar.update(1))
+            res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling,
+                            drafters=names,
+                            progress=lambda: bar.update(1))
     click.echo(format_table(res))
     if json_out:
         json_out.write_text(json.dumps(res, indent=2))

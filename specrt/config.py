@@ -20,6 +20,9 @@ FORMAT_VERSION = 1
 KV_LAYOUT = "seq,batch,kv_heads,head_dim"
 
 
+DRAFTERS = ("model", "ngram", "hybrid")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1.0 mean off."""
@@ -50,8 +53,14 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     stop: tuple[str, ...] = ()
+    drafter: str = "model"  # model | ngram (prompt lookup, no draft model) | hybrid
+    ngram_max: int = 3  # longest suffix the prompt-lookup drafter matches
 
     def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if not 1 <= self.ngram_max <= 16:
+            raise ConfigError(f"ngram_max must be in 1..16, got {self.ngram_max}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.draft_len < 0:

@@ -43,6 +43,12 @@ def save_hf(name: str, out: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # The weights are already dequantized to fp32; drop the GGUF quantizer so save_pretrained accepts the model
+    # (transformers refuses to serialize a model still marked as gguf-quantized).
+    model.hf_quantizer = None
+    for obj in (model.config, getattr(model, "generation_config", None)):
+        if obj is not None and hasattr(obj, "quantization_config"):
+            delattr(obj, "quantization_config")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -54,19 +54,22 @@ def read_prompts(path: Path, pair, limit: int | None = None) -> list[Prompt]:
 
 
 def run_bench(pair, prompts: list[Prompt], draft_lens: list[int], max_new_tokens: int = 128, repeats: int = 3,
-              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, progress=None) -> dict:
-    cfgs = {k: GenerationConfig(max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed)
-            for k in draft_lens}
-    for k, cfg in cfgs.items():  # warm-up (and up-front validation of every setting)
+              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, drafters: list[str] = ("model",),
+              progress=None) -> dict:
+    # (drafter, k) settings; target-only (k = 0) once, whatever the drafter
+    settings = [("none", 0)] * (0 in draft_lens) + [(d, k) for d in drafters for k in draft_lens if k]
+    cfgs = {s: GenerationConfig(max_new_tokens=max_new_tokens, draft_len=s[1], sampling=sampling, seed=seed,
+                                drafter=s[0] if s[1] else "model") for s in settings}
+    for cfg in cfgs.values():  # warm-up (and up-front validation of every setting)
         pair.run(prompts[0].ids, cfg)
-    runs = {k: [] for k in draft_lens}  # k -> list of (repeat, prompt, stats)
+    runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
     for r in range(repeats):
-        for k, cfg in cfgs.items():
+        for s, cfg in cfgs.items():
             for p in prompts:
-                runs[k].append((r, p, pair.run(p.ids, cfg).stats))
+                runs[s].append((r, p, pair.run(p.ids, cfg).stats))
                 if progress:
                     progress()
-    rows = [_summarize(k, runs[k], repeats) for k in draft_lens]
+    rows = [{"drafter": s[0], **_summarize(s[1], runs[s], repeats)} for s in settings]
     base = next((row for row in rows if row["draft_len"] == 0), None)
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -75,7 +78,7 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list[int], max_new_tokens
                                        for c, v in row["tokens_per_s_by_class"].items()}
     best = max(rows, key=lambda row: row["tokens_per_s"])
     return {
-        "draft_lens": draft_lens, "max_new_tokens": max_new_tokens, "repeats": repeats,
+        "draft_lens": draft_lens, "drafters": list(drafters), "best_drafter": best["drafter"], "max_new_tokens": max_new_tokens, "repeats": repeats,
         "temperature": sampling.temperature, "prompts": len(prompts), "best_draft_len": best["draft_len"],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rows": rows,
     }
@@ -109,19 +112,19 @@ def _summarize(k: int, runs: list, repeats: int) -> dict:
 
 
 def format_table(res: dict) -> str:
-    head = f"{'draft_len':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'ttft ms':>8} {'itl ms':>7}  per-position acceptance"
+    head = f"{'drafter':>7} {'draft_len':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'ttft ms':>8} {'itl ms':>7}  per-position acceptance"
     lines = [head]
     for r in res["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
-        lines.append(f"{r['draft_len']:>9} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
+        lines.append(f"{r['drafter']:>7} {r['draft_len']:>9} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
                      f"{r['tokens_per_target_pass']:>8.2f} {r['ttft_ms']:>8.1f} {r['itl_ms']:>7.1f}  {pos}")
     classes = list(res["rows"][0]["tokens_per_s_by_class"])
     if len(classes) > 1 and res["rows"][0].get("speedup_by_class"):
         lines.append("speedup by prompt class: " + "; ".join(
-            f"{c}: " + " ".join(f"k{r['draft_len']}={r['speedup_by_class'][c]:.2f}x" for r in res["rows"])
+            f"{c}: " + " ".join(f"{r['drafter']}{r['draft_len']}={r['speedup_by_class'][c]:.2f}x" for r in res["rows"])
             for c in classes))
-    lines.append(f"best draft_len: {res['best_draft_len']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
+    lines.append(f"best: drafter {res['best_drafter']}, draft_len {res['best_draft_len']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
                  f"({res['prompts']} prompts x {res['repeats']} repeats, {res['max_new_tokens']} new tokens, "
                  f"temperature {res['temperature']})")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import numpy as np
 from specrt.config import GenerationConfig
 from specrt.engines.base import Engine
 from specrt.runtime import sampling
+from specrt.runtime.drafters import ModelDrafter
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Stats:
     accepted: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    rounds_by_drafter: dict[str, int] = field(default_factory=dict)
     new_tokens: int = 0
     prompt_tokens: int = 0
     ttft_s: float = 0.0
@@ -44,15 +46,18 @@ class Stats:
         return d
 
 
-def decode(target: Engine, draft: Engine | None, prompt: list[int], cfg: GenerationConfig, vocab: int,
+def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None
            ) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
+    `drafter` is a runtime.drafters drafter (or a bare draft Engine, or None for target-only).
     `on_tokens(new)` sees each batch of accepted tokens (EOS excluded) and returns True to stop.
     Only the first `vocab` logits are used, which masks padding rows of larger output matrices.
     """
-    k = cfg.draft_len if draft is not None else 0
+    if drafter is not None and not hasattr(drafter, "propose"):
+        drafter = ModelDrafter(drafter, vocab)
+    k = cfg.draft_len if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
     stats = Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
     start = time.perf_counter()
@@ -68,9 +73,8 @@ def decode(target: Engine, draft: Engine | None, prompt: list[int], cfg: Generat
     stats.target_passes += 1
     stats.ttft_s = time.perf_counter() - start
     if k:
-        draft.truncate(0)
-        draft.forward(np.array([prompt]), np.array([len(prompt) - 1]))
-        stats.draft_passes += 1
+        drafter.start(prompt)
+        stats.draft_passes += drafter.name != "ngram"
     seq, out = list(prompt), []
     new, reason = [x], ""
     while True:
@@ -90,19 +94,14 @@ def decode(target: Engine, draft: Engine | None, prompt: list[int], cfg: Generat
         k_now = min(k, cfg.max_new_tokens - len(out) - 1)
         stats.rounds += 1
 
-        # 1. Draft k_now tokens, feeding the draft whatever of seq it has not seen yet.
-        d = np.empty(k_now, np.int64)
-        p_draft = None if greedy else np.empty((k_now, vocab))  # [k, V]
-        inp = seq[draft.length:] if k_now else []
-        for i in range(k_now):
-            logits = draft.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0, :vocab]  # [V]
-            if greedy:
-                d[i] = logits.argmax()
-            else:
-                p_draft[i] = sampling.warp(logits[None], cfg.sampling)[0]
-                d[i] = sampling.draw(p_draft[i], rng.random())
-            inp = [int(d[i])]
-        stats.draft_passes += k_now
+        # 1. Draft up to k_now tokens (p_draft None: point masses, or greedy).
+        d, p_draft = np.empty(0, np.int64), None
+        if k_now:
+            d, p_draft, passes = drafter.propose(seq, k_now, cfg.sampling, rng)
+            stats.draft_passes += passes
+            used = drafter.name if drafter.name != "hybrid" else ("model" if passes else "ngram")
+            stats.rounds_by_drafter[used] = stats.rounds_by_drafter.get(used, 0) + 1
+        k_now = len(d)
 
         # 2. Verify x_last and all drafts in one target pass.
         base = target.length  # the target has seen seq[:-1]
@@ -117,8 +116,8 @@ def decode(target: Engine, draft: Engine | None, prompt: list[int], cfg: Generat
 
         # 4. Commit: keep the verified slots; rejected ones are dropped by moving the length back.
         target.truncate(base + 1 + n)
-        if k_now:
-            draft.truncate(min(draft.length, len(seq) + n))
+        if drafter is not None:
+            drafter.commit(len(seq) + n)
         stats.proposed += k_now
         stats.accepted += n
         for i in range(k_now):

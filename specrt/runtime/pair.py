@@ -40,17 +40,25 @@ class Pair:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int = 4,
-                 stop: tuple[str, ...] | list[str] = (), chat: bool = False,
+                 stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
                  on_text: Callable[[str], None] | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
         temperature 0 is greedy; draft_len 0 is plain target-only decoding through the same engine.
+        `drafter`: "model" (the pair's draft model), "ngram" (prompt lookup, no draft model needed)
+        or "hybrid" (the n-gram proposal when there is one, else the draft model); default: "model" if
+        the pair has a draft model, else "ngram".
         `chat=True` wraps a text prompt in the tokenizer's chat template as a user message.
         `on_text` receives the text as it is produced (stop strings never reach it).
         """
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+                               drafter=drafter or self.default_drafter,
                                sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
         return self.run(self.encode(prompt, chat), cfg, on_text)
+
+    @property
+    def default_drafter(self) -> str:
+        return "model" if self.draft is not None else "ngram"
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -73,8 +81,9 @@ class Pair:
         if cfg.draft_len > m.max_draft_len:
             raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
                               "(set at export with --max-draft-len)")
-        if cfg.draft_len and self.draft is None:
-            raise ConfigError("this pair has no draft model; use draft_len 0")
+        if cfg.draft_len and cfg.drafter != "ngram" and self.draft is None:
+            raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
+                              "use drafter 'ngram' or draft_len 0")
         need = len(prompt) + cfg.max_new_tokens + cfg.draft_len + 1
         if len(prompt) >= m.max_len:
             raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
@@ -90,7 +99,7 @@ class Pair:
                 on_text(chunk)
             return stream.stopped
 
-        tokens, reason, stats = decode(self.target, self.draft, prompt, cfg, m.vocab_size,
+        tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens)
         tail = stream.finish()
         if tail and on_text is not None:
@@ -98,6 +107,16 @@ class Pair:
         if stream.stopped:
             tokens = tokens[: stream.n_tokens]
         return Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
+
+    def _drafter(self, cfg: GenerationConfig):
+        from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+        if cfg.draft_len == 0:
+            return None
+        if cfg.drafter == "ngram":
+            return NgramDrafter(cfg.ngram_max)
+        model = ModelDrafter(self.draft, self.manifest.vocab_size)
+        return model if cfg.drafter == "model" else HybridDrafter(model, NgramDrafter(cfg.ngram_max))
 
     def close(self) -> None:
         for e in (self.target, self.draft):

@@ -70,9 +70,12 @@ class TextStream:
     """
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
+        from tokenizers.decoders import DecodeStream
+
         self.codec, self.stop = codec, stop
-        self.tokens: list[int] = []
-        self.text = ""  # final text so far (held-back part excluded)
+        self._decoder = DecodeStream(skip_special_tokens=True)  # buffers split UTF-8 sequences itself
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.text = ""  # text so far (ends before a stop string once stopped)
         self._shown = 0
         self.stopped = False
         self.n_tokens = 0
@@ -80,21 +83,20 @@ class TextStream:
     def feed(self, new: list[int]) -> str:
         """Add tokens one by one; return the newly safe text."""
         for t in new:
-            self.tokens.append(t)
-            full = self.codec.decode(self.tokens)
-            if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                continue
-            hits = [full.find(s) for s in self.stop if s in full]
-            if hits:
-                self.text, self.stopped, self.n_tokens = full[: min(hits)], True, len(self.tokens)
+            if self.stopped:
                 break
-            self.text, self.n_tokens = full, len(self.tokens)
+            self.n_tokens += 1
+            chunk = self._decoder.step(self.codec.tokenizer, t)
+            if not chunk:
+                continue
+            start = max(0, len(self.text) - self._longest_stop)  # a stop string can only end in the new chunk
+            self.text += chunk
+            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                self.text, self.stopped = self.text[: min(hits)], True
         return self._flush()
 
     def finish(self) -> str:
-        if not self.stopped:
-            self.text = self.codec.decode(self.tokens)
-            self.n_tokens = len(self.tokens)
         return self._flush(final=True)
 
     def _flush(self, final: bool = False) -> str:

@@ -1,0 +1,97 @@
+"""Drafters: whatever proposes the k tokens the target verifies.
+
+A drafter proposes `(tokens [k'], p_draft [k', V] or None)` for k' <= k; None means point masses
+(the proposal is deterministic), which the rejection test handles exactly: d is accepted with
+probability p_target(d). After verification the loop tells the drafter how much of the sequence
+is now committed, so a model drafter can roll its cache back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.config import SamplingConfig
+from specrt.engines.base import Engine
+from specrt.runtime import sampling
+
+
+class ModelDrafter:
+    """A small draft model with its own KV cache. Its cache always holds a prefix of the sequence."""
+
+    name = "model"
+
+    def __init__(self, engine: Engine, vocab: int):
+        self.engine, self.vocab = engine, vocab
+
+    def start(self, prompt: list[int]) -> None:
+        self.engine.truncate(0)
+        self.engine.forward(np.array([prompt]), np.array([len(prompt) - 1]))
+
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator):
+        d = np.empty(k, np.int64)
+        p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
+        inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
+        for i in range(k):
+            logits = self.engine.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0, : self.vocab]  # [V]
+            if cfg.greedy:
+                d[i] = logits.argmax()
+            else:
+                p_draft[i] = sampling.warp(logits[None], cfg)[0]
+                d[i] = sampling.draw(p_draft[i], rng.random())
+            inp = [int(d[i])]
+        return d, p_draft, k  # k draft passes
+
+    def commit(self, valid: int) -> None:
+        """The first `valid` tokens of the sequence are committed: drop cache slots past them."""
+        self.engine.truncate(min(self.engine.length, valid))
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the most recent earlier occurrence of the sequence's last n tokens.
+
+    No model at all; it shines where the answer repeats the input (code edits, quoting).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator):
+        return self.lookup(seq, k), None, 0
+
+    def lookup(self, seq: list[int], k: int) -> np.ndarray:
+        arr = np.asarray(seq, np.int64)
+        for n in range(min(self.max_ngram, len(arr) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [L-n, n]: earlier n-grams
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n  # continuation of the most recent match
+                return arr[start: start + k].copy()
+        return np.empty(0, np.int64)
+
+    def commit(self, valid: int) -> None:
+        pass
+
+
+class HybridDrafter:
+    """Take the n-gram proposal when it is at least `min_len` long, else ask the draft model."""
+
+    name = "hybrid"
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_len: int = 2):
+        self.model, self.ngram, self.min_len = model, ngram, min_len
+
+    def start(self, prompt: list[int]) -> None:
+        self.model.start(prompt)
+
+    def propose(self, seq, k, cfg, rng):
+        d = self.ngram.lookup(seq, k)
+        if len(d) >= min(self.min_len, k):
+            return d, None, 0
+        return self.model.propose(seq, k, cfg, rng)
+
+    def commit(self, valid: int) -> None:
+        self.model.commit(valid)
