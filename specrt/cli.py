@@ -81,7 +81,8 @@ def fetch(name, out):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling.")
-@click.option("--draft-len", type=int, default=4, show_default=True, help="Draft tokens per round (0 = target only).")
+@click.option("--draft-len", default="4", show_default=True, callback=lambda c, p, v: _draft_len(v),
+              help="Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured acceptance and costs).")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
               help="model: the pair's draft model (default if it has one); ngram: prompt lookup, no draft model "
                    "(default otherwise); hybrid: the n-gram proposal when there is one, else the model.")
@@ -110,13 +111,23 @@ def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
         click.echo(summary(res.stats), err=True)
 
 
-def _int_list(ctx, param, value):
+def _draft_len(value: str):
+    v = value.strip().lower()
+    if v == "auto":
+        return "auto"
     try:
-        vals = [int(v) for v in value.split(",") if v.strip()]
+        k = int(v)
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise click.BadParameter(f"expected comma-separated integers >= 0, got {value!r}")
+        k = -1
+    if k < 0:
+        raise click.BadParameter(f"expected an integer >= 0 or 'auto', got {value!r}")
+    return k
+
+
+def _draft_len_list(ctx, param, value):
+    vals = [_draft_len(v) for v in value.split(",") if v.strip()]
+    if not vals:
+        raise click.BadParameter("expected comma-separated draft lengths")
     return vals
 
 
@@ -125,8 +136,8 @@ def _int_list(ctx, param, value):
 @click.option("--prompts", type=click.Path(path_type=Path), default=None,
               help="JSONL file: one {id, prompt | messages, class, chat} per line.")
 @click.option("--prompt", "prompt_text", default=None, help="A single chat prompt instead of --prompts.")
-@click.option("--draft-lens", default="0,1,2,3,4,6,8", show_default=True, callback=_int_list,
-              help="Comma-separated draft lengths to compare (0 = target only).")
+@click.option("--draft-lens", default="0,1,2,3,4,6,8", show_default=True, callback=_draft_len_list,
+              help="Comma-separated draft lengths to compare (0 = target only; 'auto' allowed).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens per generation.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median reported).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")

@@ -49,12 +49,13 @@ class GenerationConfig:
     """One request: how many tokens, when to stop, how many draft tokens per round."""
 
     max_new_tokens: int = 128
-    draft_len: int = 4
+    draft_len: int | str = 4  # "auto": chosen per round from measured acceptance and costs
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     stop: tuple[str, ...] = ()
     drafter: str = "model"  # model | ngram (prompt lookup, no draft model) | hybrid
     ngram_max: int = 3  # longest suffix the prompt-lookup drafter matches
+    confidence_stop: float = 0.0  # a model draft stops early once its top probability falls below this
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -63,8 +64,10 @@ class GenerationConfig:
             raise ConfigError(f"ngram_max must be in 1..16, got {self.ngram_max}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.draft_len < 0:
-            raise ConfigError(f"draft_len must be >= 0 (0 = target only), got {self.draft_len}")
+        if self.draft_len != "auto" and (not isinstance(self.draft_len, int) or self.draft_len < 0):
+            raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {self.draft_len!r}")
+        if not 0.0 <= self.confidence_stop < 1.0:
+            raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty")
 

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]  # + 3 specials = 11 ids
 EOS_ID = 2  # "<|im_end|>" in every tiny tokenizer
@@ -32,3 +33,92 @@ def copy_pair(src: Path, dst: Path) -> Path:
 def entropy(p: np.ndarray) -> float:
     p = p[p > 0]
     return float(-(p * np.log(p)).sum())
+
+
+P_MIN = 1e-4  # p-value threshold of every goodness-of-fit test here
+
+
+def chi2_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
+    """Chi-square p-value of counts vs probabilities; bins with expected < 5 are merged.
+
+    A count in a bin of probability exactly 0 is an outright failure (returns 0).
+    """
+    observed = np.asarray(observed, float)
+    expected_p = np.asarray(expected_p, float)
+    if observed[expected_p == 0].sum() > 0:
+        return 0.0
+    n = observed.sum()
+    exp = expected_p * n
+    keep = exp >= 5
+    obs_b, exp_b = list(observed[keep]), list(exp[keep])
+    if (~keep).any() and exp[~keep].sum() > 0:
+        obs_b.append(observed[~keep].sum())
+        exp_b.append(exp[~keep].sum())
+    exp_b = np.array(exp_b)
+    exp_b *= sum(obs_b) / exp_b.sum()  # exact same total (float rounding)
+    if len(exp_b) < 2:
+        return 1.0
+    return float(stats.chisquare(obs_b, exp_b).pvalue)
+
+
+def binom_pvalue(successes: int, n: int, p: float) -> float:
+    return float(stats.binomtest(successes, n, p).pvalue)
+
+
+class FakeEngine:
+    """A fake model whose logits depend on everything in its cache: T[last] + U[sum(cache) % 4].
+
+    Any stale or missing cache slot changes its output, so distribution tests through it also check
+    the loop's cache bookkeeping.
+    """
+
+    def __init__(self, seed, V, scale=1.5, max_len=64, like=None):
+        r = np.random.default_rng(seed)
+        self.T, self.U = r.normal(scale=scale, size=(V, V)), r.normal(scale=scale, size=(4, V))
+        if like is not None:  # a draft that resembles `like`: partial agreement
+            self.T, self.U = like.T + self.T / 2, like.U + self.U / 2
+        self.max_len, self.batch, self.length = max_len, 1, 0
+        self.cache = np.full(max_len, -1, np.int64)
+        self.calls = 0
+
+    def logits_for(self, ctx):
+        return self.T[ctx[-1]] + self.U[int(np.sum(ctx)) % 4]
+
+    def forward(self, tokens, logit_positions):
+        P, S = self.length, tokens.shape[1]
+        assert tokens.shape[0] == 1 and P + S <= self.max_len
+        self.cache[P:P + S] = tokens[0]
+        self.length = P + S
+        self.calls += 1
+        return np.stack([self.logits_for(self.cache[:P + j + 1]) for j in logit_positions])[None].astype(np.float32)
+
+    def truncate(self, n):
+        assert 0 <= n <= self.length
+        self.length = n
+
+    def close(self):
+        pass
+
+
+def fake_exact_joint(target: FakeEngine, prompt: list[int], cfg, n: int = 3) -> np.ndarray:
+    """Exact probability of every first-n-token sequence under `target` warped by `cfg`, flat [V**n]."""
+    from specrt.runtime.sampling import warp
+
+    V = target.T.shape[0]
+
+    def dist(seq):
+        return warp(target.logits_for(np.array(seq))[None].astype(np.float32), cfg)[0]
+
+    probs = np.ones(1)
+    seqs = [list(prompt)]
+    for _ in range(n):
+        probs = np.concatenate([p * dist(s) for p, s in zip(probs, seqs)])
+        seqs = [s + [v] for s in seqs for v in range(V)]
+    return probs
+
+
+def sequence_index(tokens, V: int) -> int:
+    i = 0
+    for t in tokens:
+        i = i * V + int(t)
+    return i

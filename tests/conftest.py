@@ -79,12 +79,22 @@ def stat_dir(work) -> Path:
 
 @pytest.fixture(scope="session")
 def int4_dir(work, hf_tiny) -> Path:
-    """The tiny Qwen2 pair, int4 weight-only (MatMulNBits, accuracy_level 0)."""
+    """The tiny Qwen2 pair, int4 weight-only (MatMulNBits) at accuracy_level 0 (fp32 activations)."""
     import logging
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # one INFO line per node otherwise
-    export(*hf_tiny["qwen2"], work / "pair-int4", precision="int4")
+    export(*hf_tiny["qwen2"], work / "pair-int4", precision="int4", accuracy_level=0)
     return work / "pair-int4"
+
+
+@pytest.fixture(scope="session")
+def int4_default_dir(work, hf_tiny) -> Path:
+    """The tiny Qwen2 pair, int4 with the default accuracy level (4: int8 activations)."""
+    import logging
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    export(*hf_tiny["qwen2"], work / "pair-int4-default", precision="int4")
+    return work / "pair-int4-default"
 
 
 def _load(d):
@@ -118,6 +128,11 @@ def stat_pair(stat_dir):
 @pytest.fixture(scope="session")
 def int4_pair(int4_dir):
     yield from _load(int4_dir)
+
+
+@pytest.fixture(scope="session")
+def int4_default_pair(int4_default_dir):
+    yield from _load(int4_default_dir)
 
 
 @pytest.fixture(scope="session")

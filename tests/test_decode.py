@@ -7,12 +7,12 @@ import shutil
 import numpy as np
 import pytest
 
-from _helpers import EOS_ID, copy_pair, entropy
+from _helpers import (EOS_ID, P_MIN, FakeEngine, chi2_pvalue, copy_pair, entropy, fake_exact_joint,
+                      sequence_index)
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.engines.ort import OrtEngine
 from specrt.runtime.decode import decode
 from specrt.runtime.sampling import warp
-from test_sampling import P_MIN, chi2_pvalue
 
 TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
 ID_PROMPTS = [[5], [40, 41, 42, 43], list(range(3, 60)), [0, 1, 2, 300, 319]]
@@ -181,7 +181,8 @@ def test_eos_ends_generation_exactly(eos_case, k):
     res = pair.generate(prompt, max_new_tokens=24, draft_len=k, on_text=chunks.append)
     assert res.tokens == want  # nothing after EOS, EOS itself not included
     assert res.finish_reason == "eos"
-    assert res.text == pair.codec.decode(want) == "".join(chunks)
+    assert res.text == "".join(chunks)
+    _assert_text_of(pair, res)
     assert res.stats["new_tokens"] == len(want)
 
 
@@ -228,6 +229,17 @@ def test_stop_string(pairs, model_type, k, where, length):
     assert stop in pair.codec.decode(res.tokens)  # tokens end with the one that completed the stop string
 
 
+@pytest.mark.xfail(strict=True, reason="BUG: with a stop string, stats count the tokens decode() produced after the "
+                   "stop inside the same accepted block (Result.tokens is cut, stats.new_tokens is not), so "
+                   "new_tokens / tokens_per_s / tokens_per_target_pass overstate the output")
+def test_stop_string_stats_count_returned_tokens(qwen_pair):
+    full = _run(qwen_pair, "def quicksort(xs):", max_new_tokens=64, draft_len=8)
+    for i in range(5, 40, 3):
+        stop = _substring(full.text, i, 2)
+        res = _run(qwen_pair, "def quicksort(xs):", max_new_tokens=64, draft_len=8, stop=[stop])
+        assert res.stats["new_tokens"] == len(res.tokens), (stop, res.stats["new_tokens"], len(res.tokens))
+
+
 def test_earliest_of_several_stop_strings_wins(qwen_pair):
     full = _run(qwen_pair, "def quicksort(xs):", max_new_tokens=64, draft_len=4)
     late, early = _substring(full.text, 30, 2), _substring(full.text, 8, 2)
@@ -249,8 +261,15 @@ def test_streamed_text_equals_result_text(qwen_pair, k):
     for prompt in TEXT_PROMPTS:
         chunks = []
         res = _run(qwen_pair, prompt, draft_len=k, temperature=1.0, seed=1, on_text=chunks.append)
-        assert "".join(chunks) == res.text == qwen_pair.codec.decode(res.tokens)
+        assert "".join(chunks) == res.text
         assert all(chunks)
+        _assert_text_of(qwen_pair, res)
+
+
+def _assert_text_of(pair, res):
+    """res.text is the decoded tokens; only an incomplete UTF-8 sequence at the very end may be held back."""
+    full = pair.codec.decode(res.tokens)
+    assert full.startswith(res.text) and set(full[len(res.text):]) <= {"\ufffd"}, (full, res.text)
 
 
 @pytest.mark.parametrize("k", [0, 8])
@@ -344,64 +363,20 @@ def test_speculative_sampling_is_distributed_as_target(stat_pair, temperature, t
 # ---------------------------------------------------------------- the loop alone, on numpy fake engines
 
 
-class FakeEngine:
-    """A fake model whose logits depend on everything in its cache: T[last] + U[sum(cache) % 4].
-
-    Any stale or missing cache slot changes its output, so distribution tests through it also check
-    the loop's cache bookkeeping.
-    """
-
-    def __init__(self, seed, V, scale=1.5, max_len=64, like=None):
-        r = np.random.default_rng(seed)
-        self.T, self.U = r.normal(scale=scale, size=(V, V)), r.normal(scale=scale, size=(4, V))
-        if like is not None:  # a draft that resembles `like`: partial agreement
-            self.T, self.U = like.T + self.T / 2, like.U + self.U / 2
-        self.max_len, self.batch, self.length = max_len, 1, 0
-        self.cache = np.full(max_len, -1, np.int64)
-        self.calls = 0
-
-    def logits_for(self, ctx):
-        return self.T[ctx[-1]] + self.U[int(np.sum(ctx)) % 4]
-
-    def forward(self, tokens, logit_positions):
-        P, S = self.length, tokens.shape[1]
-        assert tokens.shape[0] == 1 and P + S <= self.max_len
-        self.cache[P:P + S] = tokens[0]
-        self.length = P + S
-        self.calls += 1
-        return np.stack([self.logits_for(self.cache[:P + j + 1]) for j in logit_positions])[None].astype(np.float32)
-
-    def truncate(self, n):
-        assert 0 <= n <= self.length
-        self.length = n
-
-    def close(self):
-        pass
-
-
-def _fake_dist(eng, seq, cfg):
-    return warp(eng.logits_for(np.array(seq))[None].astype(np.float32), cfg)[0]
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 2), (0.8, 3, 0.9, 3)])
 def test_decode_loop_is_lossless_on_fake_engines(temperature, top_k, top_p, k):
     V, prompt = 5, [1, 2]
     cfg = SamplingConfig(temperature, top_k, top_p)
     target = FakeEngine(0, V)
     draft = FakeEngine(1, V, like=target)
-    exact = np.zeros(V ** 3)
-    for a in range(V):
-        pa = _fake_dist(target, prompt, cfg)[a]
-        for b in range(V):
-            pb = _fake_dist(target, prompt + [a], cfg)[b]
-            exact[(a * V + b) * V:(a * V + b + 1) * V] = pa * pb * _fake_dist(target, prompt + [a, b], cfg)
+    exact = fake_exact_joint(target, prompt, cfg, 3)
     obs = np.zeros_like(exact)
     acc = prop = 0
     for seed in range(5000):
-        out, reason, st = decode(target, draft, prompt, GenerationConfig(max_new_tokens=3 + 1, draft_len=k, seed=seed,
+        out, reason, st = decode(target, draft, prompt, GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed,
                                                                          sampling=cfg), V, frozenset())
         assert len(out) == 4 and reason == "length"
-        obs[(out[0] * V + out[1]) * V + out[2]] += 1
+        obs[sequence_index(out[:3], V)] += 1
         acc, prop = acc + st.accepted, prop + st.proposed
     assert 0.2 < acc / prop < 0.9
     p = chi2_pvalue(obs, exact)

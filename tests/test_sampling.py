@@ -3,40 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy import stats
 
+from _helpers import P_MIN, binom_pvalue, chi2_pvalue
 from specrt.config import SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime.sampling import accept_greedy, accept_sample, draw, warp
-
-P_MIN = 1e-4  # p-value threshold of every goodness-of-fit test here
-
-
-def chi2_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
-    """Chi-square p-value of counts vs probabilities; bins with expected < 5 are merged.
-
-    A count in a bin of probability exactly 0 is an outright failure (returns 0).
-    """
-    observed = np.asarray(observed, float)
-    expected_p = np.asarray(expected_p, float)
-    if observed[expected_p == 0].sum() > 0:
-        return 0.0
-    n = observed.sum()
-    exp = expected_p * n
-    keep = exp >= 5
-    obs_b, exp_b = list(observed[keep]), list(exp[keep])
-    if (~keep).any() and exp[~keep].sum() > 0:
-        obs_b.append(observed[~keep].sum())
-        exp_b.append(exp[~keep].sum())
-    exp_b = np.array(exp_b)
-    exp_b *= sum(obs_b) / exp_b.sum()  # exact same total (float rounding)
-    if len(exp_b) < 2:
-        return 1.0
-    return float(stats.chisquare(obs_b, exp_b).pvalue)
-
-
-def binom_pvalue(successes: int, n: int, p: float) -> float:
-    return float(stats.binomtest(successes, n, p).pvalue)
 
 
 # ---------------------------------------------------------------- warp
@@ -199,7 +170,7 @@ def _check_positions(acc, emitted, p_target):
         assert p > P_MIN, f"position {j}: p={p:.2e}, counts {counts}, want {np.round(p_target[j] * rows.sum())}"
 
 
-def _random_pair(seed, V=10, k=3, sparsity=0.0):
+def _random_pair(seed, V=10, k=3):
     rng = np.random.default_rng(seed)
     pd = rng.dirichlet(np.full(V, 0.7), size=k)
     pt = rng.dirichlet(np.full(V, 0.7), size=k + 1)

@@ -53,7 +53,7 @@ def read_prompts(path: Path, pair, limit: int | None = None) -> list[Prompt]:
     return prompts[:limit]
 
 
-def run_bench(pair, prompts: list[Prompt], draft_lens: list[int], max_new_tokens: int = 128, repeats: int = 3,
+def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int = 128, repeats: int = 3,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, drafters: list[str] = ("model",),
               progress=None) -> dict:
     # (drafter, k) settings; target-only (k = 0) once, whatever the drafter
@@ -84,7 +84,7 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list[int], max_new_tokens
     }
 
 
-def _summarize(k: int, runs: list, repeats: int) -> dict:
+def _summarize(k, runs: list, repeats: int) -> dict:
     def rate(items):  # aggregate tokens/s of one repeat over its prompts
         return sum(s["new_tokens"] for _, _, s in items) / sum(s["wall_s"] for _, _, s in items)
 
@@ -94,10 +94,13 @@ def _summarize(k: int, runs: list, repeats: int) -> dict:
                 for c in classes}
     stats = [s for _, _, s in runs]
     proposed = sum(s["proposed"] for s in stats)
-    pos = [0.0] * k
-    for i in range(k):
-        vals = [s["accepted_per_position"][i] for s in stats if s["proposed"] and i < len(s["accepted_per_position"])]
-        pos[i] = statistics.fmean(vals) if vals else 0.0
+    width = max((len(s["accepted_per_position"]) for s in stats), default=0)
+    prop = [sum(s["proposed_per_position"][i] for s in stats if i < len(s["proposed_per_position"])) for i in range(width)]
+    acc = [sum(s["accepted_per_position"][i] * s["proposed_per_position"][i] for s in stats
+               if i < len(s["proposed_per_position"])) for i in range(width)]
+    while prop and prop[-1] == 0:  # positions auto never drafted
+        prop.pop()
+    pos = [a / p if p else 0.0 for a, p in zip(acc, prop)]
     itl = [1 / s["decode_tokens_per_s"] for s in stats if s["decode_tokens_per_s"] > 0]
     return {
         "draft_len": k,
@@ -117,7 +120,7 @@ def format_table(res: dict) -> str:
     for r in res["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
-        lines.append(f"{r['drafter']:>7} {r['draft_len']:>9} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
+        lines.append(f"{r['drafter']:>7} {str(r['draft_len']):>9} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
                      f"{r['tokens_per_target_pass']:>8.2f} {r['ttft_ms']:>8.1f} {r['itl_ms']:>7.1f}  {pos}")
     classes = list(res["rows"][0]["tokens_per_s_by_class"])
     if len(classes) > 1 and res["rows"][0].get("speedup_by_class"):

@@ -15,12 +15,13 @@ import numpy as np
 from specrt.config import GenerationConfig
 from specrt.engines.base import Engine
 from specrt.runtime import sampling
+from specrt.runtime.adaptive import AutoDraftLen, CostModel
 from specrt.runtime.drafters import ModelDrafter
 
 
 @dataclass
 class Stats:
-    draft_len: int = 0
+    draft_len: int | str = 0
     target_passes: int = 0
     draft_passes: int = 0
     rounds: int = 0
@@ -29,6 +30,10 @@ class Stats:
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     rounds_by_drafter: dict[str, int] = field(default_factory=dict)
+    draft_len_hist: dict[int, int] = field(default_factory=dict)  # rounds per draft length actually used
+    rounds_skipped: int = 0  # auto: rounds the guard ran without drafting
+    predicted_speedup: float = 0.0  # auto/fixed: E(tokens)/cost from the cost model, vs one target pass a token
+    measured_speedup: float = 0.0  # tokens / (draft + verify time) vs the measured one-token target pass
     new_tokens: int = 0
     prompt_tokens: int = 0
     ttft_s: float = 0.0
@@ -39,6 +44,7 @@ class Stats:
         d.pop("proposed_at"), d.pop("accepted_at")
         d["acceptance_rate"] = self.accepted / self.proposed if self.proposed else 0.0
         d["accepted_per_position"] = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+        d["proposed_per_position"] = list(self.proposed_at)
         d["tokens_per_target_pass"] = self.new_tokens / self.target_passes if self.target_passes else 0.0
         d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
         decode_s = self.wall_s - self.ttft_s
@@ -47,19 +53,27 @@ class Stats:
 
 
 def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vocab: int,
-           eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None
+           eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
+           costs: CostModel | None = None, max_draft_len: int = 8, prior: float = 0.7
            ) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
     `drafter` is a runtime.drafters drafter (or a bare draft Engine, or None for target-only).
     `on_tokens(new)` sees each batch of accepted tokens (EOS excluded) and returns True to stop.
     Only the first `vocab` logits are used, which masks padding rows of larger output matrices.
+    `costs` collects measured pass times (shared across requests); with draft_len "auto" an
+    AutoDraftLen controller picks each round's k from them and from the acceptance seen so far.
     """
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
-    k = cfg.draft_len if drafter is not None else 0
+    costs = costs if costs is not None else CostModel()
+    auto = None
+    if cfg.draft_len == "auto" and drafter is not None:
+        auto = AutoDraftLen(max_draft_len, costs, prior, free_draft=drafter.name == "ngram")
+    k = (max_draft_len if auto else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
-    stats = Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
+    stats = Stats(draft_len="auto" if auto else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
+    predicted_tokens = spent = 0.0
     start = time.perf_counter()
 
     def pick(logits: np.ndarray) -> int:  # one token from logits [V]
@@ -91,21 +105,28 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         if reason or len(out) >= cfg.max_new_tokens:
             break
         # A round emits at most k_now + 1 tokens: draft no further than max_new_tokens allows.
-        k_now = min(k, cfg.max_new_tokens - len(out) - 1)
+        limit = min(k, cfg.max_new_tokens - len(out) - 1)
+        k_now = auto.choose(limit) if auto else limit
         stats.rounds += 1
 
         # 1. Draft up to k_now tokens (p_draft None: point masses, or greedy).
         d, p_draft = np.empty(0, np.int64), None
+        t0 = time.perf_counter()
         if k_now:
-            d, p_draft, passes = drafter.propose(seq, k_now, cfg.sampling, rng)
+            d, p_draft, passes = drafter.propose(seq, k_now, cfg.sampling, rng, cfg.confidence_stop)
+            costs.observe_draft(time.perf_counter() - t0, passes)
             stats.draft_passes += passes
             used = drafter.name if drafter.name != "hybrid" else ("model" if passes else "ngram")
             stats.rounds_by_drafter[used] = stats.rounds_by_drafter.get(used, 0) + 1
         k_now = len(d)
+        stats.draft_len_hist[k_now] = stats.draft_len_hist.get(k_now, 0) + 1
 
         # 2. Verify x_last and all drafts in one target pass.
         base = target.length  # the target has seen seq[:-1]
+        t1 = time.perf_counter()
         logits = target.forward(np.array([[seq[-1], *d]]), np.arange(k_now + 1))[0, :, :vocab]  # [k+1, V]
+        t2 = time.perf_counter()
+        costs.observe_target(k_now + 1, t2 - t1)
         stats.target_passes += 1
 
         # 3. Accept a prefix of the drafts and take one more token from the target.
@@ -118,6 +139,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         target.truncate(base + 1 + n)
         if drafter is not None:
             drafter.commit(len(seq) + n)
+        if auto:
+            auto.observe(k_now, n)
+        predicted_tokens += auto.expected_tokens(k_now) if auto else 0.0
+        spent += t2 - t0
         stats.proposed += k_now
         stats.accepted += n
         for i in range(k_now):
@@ -127,4 +152,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
 
     stats.new_tokens = len(out)
     stats.wall_s = time.perf_counter() - start
+    c1 = costs.target(1)
+    if c1 and spent:
+        stats.measured_speedup = (len(out) - 1) * c1 / spent  # tokens after the first, vs one pass each
+        if auto:
+            stats.rounds_skipped = auto.rounds_skipped
+            stats.predicted_speedup = predicted_tokens * c1 / spent
     return out, reason or "length", stats

@@ -26,7 +26,9 @@ class ModelDrafter:
         self.engine.truncate(0)
         self.engine.forward(np.array([prompt]), np.array([len(prompt) - 1]))
 
-    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator):
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+                confidence_stop: float = 0.0):
+        """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
         inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
@@ -34,10 +36,14 @@ class ModelDrafter:
             logits = self.engine.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0, : self.vocab]  # [V]
             if cfg.greedy:
                 d[i] = logits.argmax()
+                top = 1.0 / np.exp(logits - logits[d[i]]).sum() if confidence_stop else 1.0
             else:
                 p_draft[i] = sampling.warp(logits[None], cfg)[0]
                 d[i] = sampling.draw(p_draft[i], rng.random())
+                top = p_draft[i].max()
             inp = [int(d[i])]
+            if top < confidence_stop:
+                return d[: i + 1], None if p_draft is None else p_draft[: i + 1], i + 1
         return d, p_draft, k  # k draft passes
 
     def commit(self, valid: int) -> None:
@@ -59,7 +65,8 @@ class NgramDrafter:
     def start(self, prompt: list[int]) -> None:
         pass
 
-    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator):
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+                confidence_stop: float = 0.0):
         return self.lookup(seq, k), None, 0
 
     def lookup(self, seq: list[int], k: int) -> np.ndarray:
@@ -87,11 +94,11 @@ class HybridDrafter:
     def start(self, prompt: list[int]) -> None:
         self.model.start(prompt)
 
-    def propose(self, seq, k, cfg, rng):
+    def propose(self, seq, k, cfg, rng, confidence_stop: float = 0.0):
         d = self.ngram.lookup(seq, k)
         if len(d) >= min(self.min_len, k):
             return d, None, 0
-        return self.model.propose(seq, k, cfg, rng)
+        return self.model.propose(seq, k, cfg, rng, confidence_stop)
 
     def commit(self, valid: int) -> None:
         self.model.commit(valid)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
+from specrt.runtime.adaptive import CostModel
 from specrt.errors import ConfigError
 
 
@@ -37,9 +38,10 @@ class Pair:
         self.codec = TextCodec(self.dir)
         self.target = OrtEngine(self.dir, m.target, m.max_len, m.max_draft_len + 1, threads=threads)
         self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
+        self.costs = CostModel()  # measured pass times on this machine, shared by all requests
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int = 4,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str = 4,
                  stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
                  on_text: Callable[[str], None] | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
@@ -78,19 +80,20 @@ class Pair:
         from specrt.runtime.text import TextStream
 
         m = self.manifest
-        if cfg.draft_len > m.max_draft_len:
+        k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
+        if k > m.max_draft_len:
             raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
                               "(set at export with --max-draft-len)")
-        if cfg.draft_len and cfg.drafter != "ngram" and self.draft is None:
+        if k and cfg.drafter != "ngram" and self.draft is None:
             raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
                               "use drafter 'ngram' or draft_len 0")
-        need = len(prompt) + cfg.max_new_tokens + cfg.draft_len + 1
+        need = len(prompt) + cfg.max_new_tokens + k + 1
         if len(prompt) >= m.max_len:
             raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
         if need > m.max_len:
             raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
                               f"exceeds max_len {m.max_len}; use max_new_tokens <= "
-                              f"{m.max_len - len(prompt) - cfg.draft_len - 1}")
+                              f"{m.max_len - len(prompt) - k - 1}")
         stream = TextStream(self.codec, cfg.stop)
 
         def on_tokens(new: list[int]) -> bool:
@@ -100,7 +103,7 @@ class Pair:
             return stream.stopped
 
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
-                                       frozenset(m.eos_token_ids), on_tokens)
+                                       frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len)
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)

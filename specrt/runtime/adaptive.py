@@ -1,0 +1,105 @@
+"""`draft_len="auto"`: choose each round's draft length from measured acceptance and pass costs.
+
+With per-position acceptance a_i (the chance draft token i is accepted given 1..i-1 were), a
+round with k drafts emits E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens and costs
+k * c_draft + c_target(k+1) (Leviathan et al. 2023, with measured rather than modelled costs).
+The controller picks the k that maximises E(k) / cost(k); k = 0 is plain decoding. When k = 0
+wins, it still probes with one draft token every `probe_every` rounds, so it can resume drafting
+once the numbers say it pays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostModel:
+    """Running (EMA) costs in seconds: one draft pass, and a target pass per verify width."""
+
+    draft_s: float | None = None
+    target_s: dict[int, float] = field(default_factory=dict)
+    decay: float = 0.8
+
+    def observe_draft(self, seconds: float, passes: int) -> None:
+        if passes:
+            per = seconds / passes
+            self.draft_s = per if self.draft_s is None else self.decay * self.draft_s + (1 - self.decay) * per
+
+    def observe_target(self, width: int, seconds: float) -> None:
+        old = self.target_s.get(width)
+        self.target_s[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def target(self, width: int) -> float | None:
+        """Measured cost at `width`, else interpolated/extrapolated linearly from measured widths."""
+        if width in self.target_s:
+            return self.target_s[width]
+        known = sorted(self.target_s)
+        if not known:
+            return None
+        lo = max((w for w in known if w < width), default=None)
+        hi = min((w for w in known if w > width), default=None)
+        if lo is not None and hi is not None:
+            t = (width - lo) / (hi - lo)
+            return self.target_s[lo] * (1 - t) + self.target_s[hi] * t
+        if len(known) >= 2:  # extrapolate from the two nearest widths, never below the nearest
+            a, b = (known[-2], known[-1]) if hi is None else (known[0], known[1])
+            slope = max((self.target_s[b] - self.target_s[a]) / (b - a), 0.0)
+            edge = b if hi is None else a
+            return max(self.target_s[edge] + slope * (width - edge), 0.0)
+        return self.target_s[known[0]] * (1 + 0.1 * (width - known[0]))  # prior: a wider pass costs a bit more
+
+
+@dataclass
+class AutoDraftLen:
+    """Per-request controller. `prior` acceptance per position seeds it (from tune or 0.7)."""
+
+    max_k: int
+    costs: CostModel
+    prior: float = 0.7
+    free_draft: bool = False  # a prompt-lookup drafter costs (next to) nothing
+    decay: float = 0.85
+    probe_every: int = 16
+    accept: list[float] = field(default_factory=list)  # conditional acceptance per position
+    _since_probe: int = 0
+    rounds_skipped: int = 0
+
+    def __post_init__(self):
+        if not self.accept:
+            self.accept = [self.prior] * self.max_k
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for a in self.accept[:k]:
+            run *= a
+            e += run
+        return e
+
+    def choose(self, limit: int) -> int:
+        """Draft length for the next round, at most `limit`."""
+        limit = min(limit, self.max_k)
+        c1 = self.costs.target(1)
+        if limit <= 0:
+            return 0
+        draft_s = 0.0 if self.free_draft else self.costs.draft_s
+        if c1 is None or draft_s is None:
+            return min(limit, 2)  # nothing measured yet: a short draft measures both costs
+        best_k, best_rate = 0, 1.0 / c1
+        for k in range(1, limit + 1):
+            rate = self.expected_tokens(k) / (k * draft_s + self.costs.target(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self._since_probe += 1
+            if self._since_probe >= self.probe_every:
+                self._since_probe = 0
+                return 1
+            self.rounds_skipped += 1
+        return best_k
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Update conditional acceptance: positions 1..accepted were accepted, accepted+1 (if proposed) was not."""
+        for i in range(min(proposed, self.max_k)):
+            if i > accepted:
+                break
+            hit = 1.0 if i < accepted else 0.0
+            self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * hit

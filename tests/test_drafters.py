@@ -1,0 +1,102 @@
+"""Drafters: the draft model, prompt lookup (n-gram) and hybrid all keep speculative decoding lossless."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
+from specrt.cli import main
+from specrt.config import GenerationConfig, SamplingConfig
+from specrt.errors import ConfigError
+from specrt.runtime.decode import decode
+from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+REPETITIVE = ["def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+              "def fib(n):\n    a, b", list(range(3, 30)) * 2 + [3, 4], [40, 41, 42, 43]]
+
+
+def test_ngram_lookup():
+    ng = NgramDrafter(max_ngram=3)
+    assert ng.lookup([1, 2, 3, 4, 1, 2], 3).tolist() == [3, 4, 1]  # 2-gram [1, 2] seen at 0
+    assert ng.lookup([1, 2, 9, 1, 2, 7, 1, 2], 2).tolist() == [7, 1]  # the most recent match wins
+    assert ng.lookup([5, 6, 7, 8, 5, 6, 7], 4).tolist() == [8, 5, 6, 7]  # longest n first
+    assert ng.lookup([1, 2, 3], 4).tolist() == []  # no earlier occurrence
+    assert ng.lookup([7], 4).tolist() == []
+    assert ng.lookup([9, 9, 9], 2).tolist() == [9]  # continuation runs to the end of the sequence
+    assert len(ng.lookup(list(range(10)) * 3, 5)) == 5
+
+
+@pytest.mark.parametrize("kw,match", [(dict(drafter="medusa"), "unknown drafter"), (dict(ngram_max=0), "ngram_max"),
+                                      (dict(ngram_max=17), "ngram_max")])
+def test_generation_config_drafter_validation(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        GenerationConfig(**kw)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_equals_target_only_for_every_drafter(qwen_pair, drafter, k):
+    for prompt in REPETITIVE:
+        base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0)
+        res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=k, drafter=drafter)
+        assert res.tokens == base.tokens
+        s = res.stats
+        assert s["new_tokens"] == 1 + s["rounds"] + s["accepted"]
+        assert s["target_passes"] == 1 + s["rounds"]
+        assert sum(s["rounds_by_drafter"].values()) <= s["rounds"]
+        if drafter == "ngram":
+            assert s["draft_passes"] == 0 and set(s["rounds_by_drafter"]) <= {"ngram"}
+
+
+def test_ngram_drafter_accepts_on_repetition(same_pair):
+    """A prompt that repeats: prompt lookup proposes the continuation and the target accepts some of it."""
+    prompt = list(range(3, 30)) * 3
+    res = same_pair.generate(prompt, max_new_tokens=64, draft_len=4, drafter="ngram")
+    assert res.stats["proposed"] > 0
+
+
+def _lossless(drafter_factory, temperature, top_k, top_p, k, n=4000):
+    V, prompt = 4, [1, 2, 1, 3, 1, 2]  # repetitive: the n-gram drafter has proposals
+    cfg = SamplingConfig(temperature, top_k, top_p)
+    target = FakeEngine(0, V, max_len=32)
+    drafter = drafter_factory(target, V)
+    exact = fake_exact_joint(target, prompt, cfg, 3)
+    obs = np.zeros_like(exact)
+    prop = 0
+    for seed in range(n):
+        out, reason, st = decode(target, drafter, prompt, GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed,
+                                                                           sampling=cfg), V, frozenset())
+        assert len(out) == 4
+        obs[sequence_index(out[:3], V)] += 1
+        prop += st.proposed
+    assert prop > n  # drafts were actually proposed
+    p = chi2_pvalue(obs, exact)
+    assert p > P_MIN, f"p={p:.2e}"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3), (0.8, 3, 0.9, 2)])
+def test_ngram_drafter_is_lossless(temperature, top_k, top_p, k):
+    _lossless(lambda target, V: NgramDrafter(3), temperature, top_k, top_p, k)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])
+def test_hybrid_drafter_is_lossless(temperature, top_k, top_p, k):
+    def make(target, V):
+        return HybridDrafter(ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V), NgramDrafter(2))
+
+    _lossless(make, temperature, top_k, top_p, k)
+
+
+def test_cli_drafter_option(qwen_dir, qwen_pair):
+    runner = CliRunner()
+    r = runner.invoke(main, ["generate", str(qwen_dir), "--prompt", "def fib(n):", "--max-new-tokens", "16",
+                             "--drafter", "ngram", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["tokens"] == qwen_pair.generate("def fib(n):", max_new_tokens=16, draft_len=0).tokens
+    assert out["stats"]["draft_passes"] == 0
+    r = runner.invoke(main, ["generate", str(qwen_dir), "--prompt", "x", "--drafter", "medusa"])
+    assert r.exit_code == 2 and "Traceback" not in r.output and "Invalid value for '--drafter'" in r.stderr
