@@ -169,7 +169,7 @@ def verify_files(pair_dir: Path, entry: ModelEntry) -> None:
         if not f.is_file():
             raise PairError(f"missing graph file {f} (listed in the manifest)")
         st = f.stat()
-        stamp = pair_dir / f".{name}.verified"
+        stamp = f.parent / f".{f.name}.verified"
         key = f"{digest} {st.st_size} {st.st_mtime_ns}"
         try:
             if stamp.read_text() == key:

@@ -63,8 +63,6 @@ def test_manifest_describes_the_pair(request, model_type):
             assert sha256_file(d / name) == digest
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: manifest shape of new_key.i has a symbolic last dim "
-                   "('Transposenew_key.0_dim_3') instead of head_dim 16; new_value.i is concrete")
 def test_manifest_new_kv_shapes_are_concrete(qwen_dir):
     e = json.loads((qwen_dir / "manifest.json").read_text())["target"]
     for i in range(e["num_layers"]):
@@ -163,9 +161,6 @@ def test_missing_tokenizer_is_a_pair_error(qwen_dir, tmp_path):
         specrt.load(d)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: verify_files' stamp path pair_dir/'.target/model.onnx.verified' lies in "
-                   "a folder that does not exist, the write's OSError is swallowed, so every load re-hashes every "
-                   "graph (seconds for real models) despite the docstring")
 def test_verified_graphs_are_not_hashed_again(qwen_dir, tmp_path, monkeypatch):
     import specrt.config as config
 
@@ -244,16 +239,12 @@ def test_export_into_empty_existing_folder(hf_tiny, tmp_path):
     assert read_manifest(out).max_draft_len == 2
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: export_pair calls out.iterdir() on an existing *file* --out outside its "
-                   "try block: NotADirectoryError escapes instead of an ExportError (CLI prints a traceback)")
 def test_export_out_is_an_existing_file(hf_tiny, tmp_path):
     (tmp_path / "out").write_text("x")
     with pytest.raises(ExportError):
         export(*hf_tiny["qwen2"], tmp_path / "out")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: export preflight's param_count reads config.intermediate_size before "
-                   "the model type is checked: a GPT-2 source raises AttributeError, not ExportError")
 def test_unsupported_architecture_is_refused_and_cleaned_up(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

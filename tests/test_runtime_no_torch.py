@@ -5,8 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-HEAVY = ("torch", "transformers", "onnx")
-
 
 def _python(code: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], capture_output=True,

@@ -124,9 +124,6 @@ def test_accept_sample_edges():
     assert accept_sample(np.array([], np.int64), np.empty((0, 3)), pt[:1], np.array([0.0])) == (0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: accept_sample accepts a draft token with p_target 0 when u == 0.0 "
-                   "(test is `u * pd <= pt`; rng.random() can return 0.0), so a token excluded by top-k/top-p "
-                   "can be emitted with probability 2**-53 per draft")
 def test_accept_sample_never_accepts_zero_target_mass_even_at_u_zero():
     pt = np.array([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
     pd = np.array([[0.5, 0.5, 0.0]])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, sha256_file
 from specrt.errors import ExportError
+from specrt.export.graph import SUPPORTED_MODEL_TYPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -47,6 +48,8 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
     from specrt.export import load
 
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a folder; choose another --out")
     if out.exists() and any(out.iterdir()) and not cfg.overwrite:
         raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     try:
@@ -60,6 +63,10 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
         roles = {"target": cfg.target} | ({"draft": cfg.draft} if cfg.draft else {})
         sources = {r: load.resolve(s) for r, s in roles.items()}
         configs = {r: load.load_config(s) for r, s in sources.items()}
+        for role, c in configs.items():
+            if c.model_type not in SUPPORTED_MODEL_TYPES:
+                raise ExportError(f"{role} model type {c.model_type!r} is not supported; "
+                                  f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         toks = {r: load.save_tokenizer(s, tmp / f"tok-{r}") for r, s in sources.items()}
         preflight(configs, tmp, cfg.precision)
         widths = {r: int(c.vocab_size) for r, c in configs.items()}
@@ -185,10 +192,16 @@ def export_model(src, folder: Path, cfg: ExportConfig) -> ModelEntry:
     if cfg.precision == "int4":
         quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level)
     proto = onnx.load(str(path), load_external_data=False)
+    for p in folder.iterdir():
+        p.chmod(0o644)  # onnx writes external data owner-only; a pair folder is meant to be shared
     files = {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
+    inputs, outputs = _io_spec(proto.graph.input), _io_spec(proto.graph.output)
+    for io in (inputs, outputs):  # the tracer leaves some KV dims symbolic; they are fixed by the config
+        for name, v in io.items():
+            if name.startswith(("past_", "new_")):
+                v["shape"] = [v["shape"][0], "batch", spec["num_kv_heads"], spec["head_dim"]]
     return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision, dtype="float32",
-                      inputs=_io_spec(proto.graph.input), outputs=_io_spec(proto.graph.output),
-                      quantization=quant, **spec)
+                      inputs=inputs, outputs=outputs, quantization=quant, **spec)
 
 
 def _consolidate(path: Path) -> None:

@@ -6,6 +6,7 @@ token d_k when all drafts were accepted).
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -69,7 +70,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     costs = costs if costs is not None else CostModel()
     auto = None
     if cfg.draft_len == "auto" and drafter is not None:
-        auto = AutoDraftLen(max_draft_len, costs, prior, free_draft=drafter.name == "ngram")
+        # The controller plans with the costs as they were when the request started, so its choices (and
+        # with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
+        # reproduces for the same snapshot. New measurements go to the shared model for later requests.
+        auto = AutoDraftLen(max_draft_len, copy.deepcopy(costs), prior, free_draft=drafter.name == "ngram")
     k = (max_draft_len if auto else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
     stats = Stats(draft_len="auto" if auto else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))

@@ -5,6 +5,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
 from specrt.runtime.adaptive import CostModel
 from specrt.errors import ConfigError
@@ -68,7 +70,10 @@ class Pair:
                 prompt = self.codec.apply_chat_template([{"role": "user", "content": prompt}])
             ids = self.codec.encode(prompt)
         else:
-            ids = [int(i) for i in prompt]
+            ids = list(prompt)
+            if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+                raise ConfigError("a prompt given as a list must hold integer token ids")
+            ids = [int(i) for i in ids]
             if any(not 0 <= i < self.manifest.vocab_size for i in ids):
                 raise ConfigError(f"prompt token ids must be in 0..{self.manifest.vocab_size - 1}")
         if not ids:
@@ -91,9 +96,10 @@ class Pair:
         if len(prompt) >= m.max_len:
             raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
         if need > m.max_len:
+            room = m.max_len - len(prompt) - k - 1
+            fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
             raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
-                              f"exceeds max_len {m.max_len}; use max_new_tokens <= "
-                              f"{m.max_len - len(prompt) - k - 1}")
+                              f"exceeds max_len {m.max_len}; {fix}")
         stream = TextStream(self.codec, cfg.stop)
 
         def on_tokens(new: list[int]) -> bool:
@@ -109,6 +115,7 @@ class Pair:
             on_text(tail)
         if stream.stopped:
             tokens = tokens[: stream.n_tokens]
+            stats.new_tokens = len(tokens)  # tokens accepted past the stop string are not output
         return Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
 
     def _drafter(self, cfg: GenerationConfig):

@@ -70,7 +70,7 @@ def accept_sample(draft_tokens: np.ndarray, p_draft: np.ndarray | None, p_target
     pt = p_target[rows, draft_tokens]  # [k]
     pd = np.ones(k) if p_draft is None else p_draft[rows, draft_tokens]  # [k]
     with np.errstate(divide="ignore", invalid="ignore"):
-        ok = (pd > 0) & (u[:k] * pd <= pt)  # u <= pt/pd without dividing
+        ok = (pd > 0) & (u[:k] * pd < pt)  # u < pt/pd without dividing (u in [0, 1), so P = min(1, pt/pd))
     n = int(np.argmin(np.append(ok, False)))
     if n == k:
         return n, draw(p_target[k], u[k])

@@ -76,6 +76,7 @@ class TextStream:
         self._decoder = DecodeStream(skip_special_tokens=True)  # buffers split UTF-8 sequences itself
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.text = ""  # text so far (ends before a stop string once stopped)
+        self.tokens: list[int] = []
         self._shown = 0
         self.stopped = False
         self.n_tokens = 0
@@ -86,6 +87,7 @@ class TextStream:
             if self.stopped:
                 break
             self.n_tokens += 1
+            self.tokens.append(t)
             chunk = self._decoder.step(self.codec.tokenizer, t)
             if not chunk:
                 continue
@@ -97,6 +99,10 @@ class TextStream:
         return self._flush()
 
     def finish(self) -> str:
+        if not self.stopped:  # the stream holds back an incomplete UTF-8 tail; a full decode shows it
+            full = self.codec.decode(self.tokens)
+            if full.startswith(self.text):
+                self.text = full
         return self._flush(final=True)
 
     def _flush(self, final: bool = False) -> str:

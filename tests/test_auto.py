@@ -1,0 +1,170 @@
+"""draft_len="auto" (the measured-cost controller) and confidence_stop: still lossless, still exact when greedy."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
+from specrt.cli import main
+from specrt.config import GenerationConfig, SamplingConfig
+from specrt.errors import ConfigError
+from specrt.runtime.adaptive import AutoDraftLen, CostModel
+from specrt.runtime.decode import decode
+from specrt.runtime.drafters import ModelDrafter
+
+
+class FrozenCosts(CostModel):
+    """A cost model that ignores measurements, so the controller's choices are deterministic."""
+
+    def observe_draft(self, seconds, passes):
+        pass
+
+    def observe_target(self, width, seconds):
+        pass
+
+
+def cheap_drafts():
+    return FrozenCosts(draft_s=1e-6, target_s={1: 1.0, 2: 1.0, 9: 1.0})
+
+
+def dear_drafts():
+    return FrozenCosts(draft_s=10.0, target_s={1: 1.0, 9: 5.0})
+
+
+# ---------------------------------------------------------------- the controller
+
+
+def test_auto_controller_choices():
+    auto = AutoDraftLen(8, cheap_drafts(), prior=0.9)
+    assert auto.choose(8) == 8 and auto.choose(3) == 3 and auto.choose(0) == 0
+    assert auto.expected_tokens(0) == 1.0
+    assert auto.expected_tokens(2) == pytest.approx(1 + 0.9 + 0.81)
+    dear = AutoDraftLen(8, dear_drafts(), prior=0.7)
+    picks = [dear.choose(8) for _ in range(32)]
+    assert picks.count(0) == 30 and picks[15] == picks[31] == 1  # plain decoding, probing every 16 rounds
+    assert dear.rounds_skipped == 30
+    assert AutoDraftLen(8, CostModel()).choose(8) == 2  # nothing measured yet: a short probe
+    auto.observe(4, 1)  # position 0 accepted, position 1 rejected, 2.. not reached
+    assert auto.accept[0] > 0.9 > auto.accept[1] and auto.accept[2] == 0.9
+
+
+def test_cost_model_interpolates():
+    c = CostModel()
+    assert c.target(3) is None
+    c.observe_target(1, 1.0)
+    assert c.target(1) == 1.0 and c.target(3) == pytest.approx(1.2)
+    c.observe_target(5, 2.0)
+    assert c.target(3) == pytest.approx(1.5) and c.target(9) == pytest.approx(3.0)
+    c.observe_target(1, 2.0)
+    assert c.target(1) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(draft_len="fast"), "draft_len"), (dict(draft_len=2.5), "draft_len"),
+                                      (dict(confidence_stop=1.0), "confidence_stop"),
+                                      (dict(confidence_stop=-0.1), "confidence_stop")])
+def test_generation_config_validation(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        GenerationConfig(**kw)
+
+
+# ---------------------------------------------------------------- greedy: exact whatever the controller does
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_auto_greedy_equals_target_only(pairs, model_type):
+    pair = pairs[model_type]
+    for prompt in ("def quicksort(xs):", [40, 41, 42, 43], list(range(3, 60))):
+        base = pair.generate(prompt, max_new_tokens=64, draft_len=0).tokens
+        res = pair.generate(prompt, max_new_tokens=64, draft_len="auto")
+        assert res.tokens == base
+        s = res.stats
+        assert s["draft_len"] == "auto"
+        assert sum(s["draft_len_hist"].values()) == s["rounds"]
+        assert all(0 <= int(k) <= pair.manifest.max_draft_len for k in s["draft_len_hist"])
+        assert s["new_tokens"] == 1 + s["rounds"] + s["accepted"]
+
+
+def test_auto_greedy_is_independent_of_costs(qwen_pair, monkeypatch):
+    prompt = [40, 41, 42, 43]
+    base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
+    hists = []
+    for costs in (cheap_drafts(), dear_drafts()):
+        monkeypatch.setattr(qwen_pair, "costs", costs)
+        res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto")
+        assert res.tokens == base
+        hists.append(res.stats["draft_len_hist"])
+    assert hists[0] != hists[1]  # the two cost models really did choose differently
+
+
+def test_auto_sampling_seed_reproduces_for_the_same_cost_snapshot(qwen_pair, monkeypatch):
+    """auto plans each request with the costs known at its start: same snapshot + seed = same tokens.
+
+    (Across machines or after more measurements the snapshot differs, and so may the tokens: each
+    run is still an exact sample of the target's distribution; a fixed draft_len reproduces anywhere.)
+    """
+    runs, hists = [], []
+    for costs in (cheap_drafts(), cheap_drafts(), dear_drafts()):
+        monkeypatch.setattr(qwen_pair, "costs", costs)
+        res = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=32, draft_len="auto", temperature=1.0, seed=3)
+        runs.append(res.tokens)
+        hists.append(res.stats["draft_len_hist"])
+    assert runs[0] == runs[1]
+    assert hists[0] != hists[2]  # a different snapshot really plans differently
+
+
+def test_cli_draft_len_auto(qwen_dir):
+    r = CliRunner().invoke(main, ["generate", str(qwen_dir), "--prompt", "def fib(n):", "--max-new-tokens", "16",
+                                  "--draft-len", "auto", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == 16 and out["stats"]["draft_len"] == "auto"
+
+
+# ---------------------------------------------------------------- sampling: lossless (fake engines)
+
+
+def _joint3(drafter, costs, cfg, k, n=4000, confidence_stop=0.0):
+    V, prompt = 5, [1, 2]
+    target = drafter.target
+    obs = np.zeros(V ** 3)
+    proposed = rounds = 0
+    for seed in range(n):
+        g = GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed, sampling=cfg, confidence_stop=confidence_stop)
+        out, _, st = decode(target, drafter.model, prompt, g, V, frozenset(), None, costs, 4)
+        assert len(out) == 4
+        obs[sequence_index(out[:3], V)] += 1
+        proposed, rounds = proposed + st.proposed, rounds + st.rounds
+    return obs, fake_exact_joint(target, prompt, cfg, 3), proposed, rounds
+
+
+class _Drafter:
+    def __init__(self, V=5):
+        self.target = FakeEngine(0, V)
+        self.model = ModelDrafter(FakeEngine(1, V, like=self.target), V)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 3, 0.9)])
+def test_auto_sampling_is_lossless(temperature, top_k, top_p):
+    costs = FrozenCosts(draft_s=0.3, target_s={1: 1.0, 5: 1.2})
+    obs, exact, proposed, rounds = _joint3(_Drafter(), costs, SamplingConfig(temperature, top_k, top_p), "auto")
+    assert 0 < proposed < 3 * rounds  # the controller both drafted and held back
+    p = chi2_pvalue(obs, exact)
+    assert p > P_MIN, f"p={p:.2e}"
+
+
+def test_confidence_stop_is_lossless():
+    obs, exact, proposed, rounds = _joint3(_Drafter(), None, SamplingConfig(1.0), 3, confidence_stop=0.6)
+    assert proposed < 3 * rounds  # some drafts stopped early
+    p = chi2_pvalue(obs, exact)
+    assert p > P_MIN, f"p={p:.2e}"
+
+
+def test_confidence_stop_greedy_is_exact(qwen_pair):
+    prompt = [40, 41, 42, 43]
+    base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
+    res = qwen_pair.run(prompt, GenerationConfig(max_new_tokens=48, draft_len=8, confidence_stop=0.9))
+    assert res.tokens == base
+    assert res.stats["proposed"] < 8 * res.stats["rounds"]
