@@ -81,8 +81,11 @@ def fetch(name, out):
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling.")
-@click.option("--draft-len", default="4", show_default=True, callback=lambda c, p, v: _draft_len(v),
-              help="Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured acceptance and costs).")
+@click.option("--draft-len", default=None, callback=lambda c, p, v: None if v is None else _draft_len(v),
+              help="Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured acceptance "
+                   "and costs). Default: what `specrt tune` chose for this pair, else auto.")
+@click.option("--confidence-stop", type=float, default=None,
+              help="Stop a model draft early once its top probability falls below this (0 = never; default: tuned or 0).")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
               help="model: the pair's draft model (default if it has one); ngram: prompt lookup, no draft model "
                    "(default otherwise); hybrid: the n-gram proposal when there is one, else the model.")
@@ -90,16 +93,16 @@ def fetch(name, out):
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
 @_errors
-def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, drafter, stop, chat,
-             as_json):
+def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
+             stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
-    from specrt.config import GenerationConfig, SamplingConfig
+    from specrt.config import SamplingConfig
     from specrt.runtime.pair import load
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     with load(pair_dir) as pair:
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
-                               drafter=drafter or pair.default_drafter, sampling=sampling)
+        cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+                          drafter=drafter, confidence_stop=confidence_stop, sampling=sampling)
         ids = pair.encode(prompt, chat=chat)
         stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
         res = pair.run(ids, cfg, on_text=stream)
@@ -170,6 +173,51 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
     click.echo(format_table(res))
     if json_out:
         json_out.write_text(json.dumps(res, indent=2))
+
+
+@main.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), required=True,
+              help="JSONL file of representative prompts (see bench/prompts/prompts.jsonl).")
+@click.option("--draft-lens", default="0,1,2,3,4,6,auto", show_default=True, callback=_draft_len_list,
+              help="Draft lengths to sweep.")
+@click.option("--drafters", default=None, help="Drafters to sweep (default: model,ngram,hybrid, or ngram for a target-only pair).")
+@click.option("--confidence-stops", default="0,0.4", show_default=True,
+              help="Early-stop thresholds on the draft's top probability to sweep.")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens per generation.")
+@click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats per setting.")
+@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--dry-run", is_flag=True, help="Print what would be chosen; leave the manifest alone.")
+@_errors
+def tune(pair_dir, prompts, draft_lens, drafters, confidence_stops, max_new_tokens, repeats, limit, dry_run):
+    """Measure this device and the prompts, pick the fastest drafting settings, store them in the manifest."""
+    from specrt.errors import ConfigError
+    from specrt.runtime.bench import format_table, read_prompts, settings_grid
+    from specrt.runtime.pair import load
+    from specrt.runtime.tune import tune as run_tune, write_tuned
+
+    try:
+        stops = [float(c) for c in confidence_stops.split(",") if c.strip()]
+    except ValueError:
+        raise ConfigError(f"--confidence-stops must be comma-separated numbers, got {confidence_stops!r}") from None
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    with load(pair_dir, use_tuned=False) as pair:
+        names = [d.strip() for d in (drafters or ("model,ngram,hybrid" if pair.draft else "ngram")).split(",")]
+        plist = read_prompts(prompts, pair, limit)
+        total = repeats * len(plist) * len(settings_grid(draft_lens, names, stops))
+        with click.progressbar(length=total, label="tune", file=sys.stderr) as bar:
+            tuned = run_tune(pair, plist, max_new_tokens, repeats, draft_lens, names, stops, lambda: bar.update(1))
+    click.echo(format_table(tuned["bench"]))
+    c = tuned["costs"]
+    widths = ", ".join(f"{w}: {s * 1000:.1f}" for w, s in c["target_s"].items())
+    click.echo(f"measured pass costs (ms): draft {c['draft_s'] * 1000 if c['draft_s'] else 0:.1f}; target by width {widths}")
+    click.echo(f"chose drafter {tuned['drafter']}, draft_len {tuned['draft_len']}, confidence_stop "
+               f"{tuned['confidence_stop']}: {tuned['measured']['tokens_per_s']:.1f} tok/s"
+               + (f", {tuned['measured']['speedup']:.2f}x target-only" if tuned["measured"]["speedup"] else ""))
+    if not dry_run:
+        write_tuned(pair_dir, tuned)
+        click.echo(f"stored in {pair_dir}/manifest.json; generate, bench and the API now use these defaults")
 
 
 def summary(s: dict) -> str:

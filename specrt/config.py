@@ -110,6 +110,12 @@ class Manifest:
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     created_by: str = ""
+    # Written by `specrt tune`: {"drafter", "draft_len", "confidence_stop", "acceptance": [...],
+    # "costs": {"draft_s", "target_s": {width: s}}, "graphs": {file: sha256}, "measured": {...}}
+    tuned: dict | None = None
+
+    def graph_hashes(self) -> dict[str, str]:
+        return {f: h for e in (self.target, self.draft) if e is not None for f, h in e.files.items()}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -64,8 +64,7 @@ class AutoDraftLen:
     rounds_skipped: int = 0
 
     def __post_init__(self):
-        if not self.accept:
-            self.accept = [self.prior] * self.max_k
+        self.accept = list(self.accept) + [self.prior] * (self.max_k - len(self.accept))
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0

@@ -53,13 +53,22 @@ def read_prompts(path: Path, pair, limit: int | None = None) -> list[Prompt]:
     return prompts[:limit]
 
 
+def settings_grid(draft_lens: list, drafters: list[str], confidence_stops: list[float] = (0.0,)) -> list[tuple]:
+    """(drafter, draft_len, confidence_stop) settings; target-only (k = 0) once, whatever the drafter."""
+    grid = [("none", 0, 0.0)] * (0 in draft_lens)
+    for d in drafters:
+        for k in draft_lens:
+            if k:
+                grid += [(d, k, c) for c in (confidence_stops if d != "ngram" else (0.0,))]
+    return grid
+
+
 def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int = 128, repeats: int = 3,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, drafters: list[str] = ("model",),
-              progress=None) -> dict:
-    # (drafter, k) settings; target-only (k = 0) once, whatever the drafter
-    settings = [("none", 0)] * (0 in draft_lens) + [(d, k) for d in drafters for k in draft_lens if k]
+              progress=None, confidence_stops: list[float] = (0.0,)) -> dict:
+    settings = settings_grid(draft_lens, drafters, confidence_stops)
     cfgs = {s: GenerationConfig(max_new_tokens=max_new_tokens, draft_len=s[1], sampling=sampling, seed=seed,
-                                drafter=s[0] if s[1] else "model") for s in settings}
+                                drafter=s[0] if s[1] else "model", confidence_stop=s[2]) for s in settings}
     for cfg in cfgs.values():  # warm-up (and up-front validation of every setting)
         pair.run(prompts[0].ids, cfg)
     runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
@@ -69,7 +78,7 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
                 runs[s].append((r, p, pair.run(p.ids, cfg).stats))
                 if progress:
                     progress()
-    rows = [{"drafter": s[0], **_summarize(s[1], runs[s], repeats)} for s in settings]
+    rows = [{"drafter": s[0], "confidence_stop": s[2], **_summarize(s[1], runs[s], repeats)} for s in settings]
     base = next((row for row in rows if row["draft_len"] == 0), None)
     for row in rows:
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -78,9 +87,11 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
                                        for c, v in row["tokens_per_s_by_class"].items()}
     best = max(rows, key=lambda row: row["tokens_per_s"])
     return {
-        "draft_lens": draft_lens, "drafters": list(drafters), "best_drafter": best["drafter"], "max_new_tokens": max_new_tokens, "repeats": repeats,
-        "temperature": sampling.temperature, "prompts": len(prompts), "best_draft_len": best["draft_len"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rows": rows,
+        "draft_lens": draft_lens, "drafters": list(drafters), "best_drafter": best["drafter"],
+        "best_draft_len": best["draft_len"], "best_confidence_stop": best["confidence_stop"],
+        "max_new_tokens": max_new_tokens, "repeats": repeats, "temperature": sampling.temperature,
+        "prompts": len(prompts), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rows": rows,
     }
 
 
@@ -115,19 +126,20 @@ def _summarize(k, runs: list, repeats: int) -> dict:
 
 
 def format_table(res: dict) -> str:
-    head = f"{'drafter':>7} {'draft_len':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'ttft ms':>8} {'itl ms':>7}  per-position acceptance"
+    head = f"{'drafter':>7} {'draft_len':>9} {'conf':>5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'ttft ms':>8} {'itl ms':>7}  per-position acceptance"
     lines = [head]
     for r in res["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
-        lines.append(f"{r['drafter']:>7} {str(r['draft_len']):>9} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
+        lines.append(f"{r['drafter']:>7} {str(r['draft_len']):>9} {r['confidence_stop']:>5.2f} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
                      f"{r['tokens_per_target_pass']:>8.2f} {r['ttft_ms']:>8.1f} {r['itl_ms']:>7.1f}  {pos}")
     classes = list(res["rows"][0]["tokens_per_s_by_class"])
     if len(classes) > 1 and res["rows"][0].get("speedup_by_class"):
         lines.append("speedup by prompt class: " + "; ".join(
             f"{c}: " + " ".join(f"{r['drafter']}{r['draft_len']}={r['speedup_by_class'][c]:.2f}x" for r in res["rows"])
             for c in classes))
-    lines.append(f"best: drafter {res['best_drafter']}, draft_len {res['best_draft_len']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
+    lines.append(f"best: drafter {res['best_drafter']}, draft_len {res['best_draft_len']}, "
+                 f"confidence_stop {res['best_confidence_stop']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
                  f"({res['prompts']} prompts x {res['repeats']} repeats, {res['max_new_tokens']} new tokens, "
                  f"temperature {res['temperature']})")
     return "\n".join(lines)

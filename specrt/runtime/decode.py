@@ -55,7 +55,7 @@ class Stats:
 
 def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
-           costs: CostModel | None = None, max_draft_len: int = 8, prior: float = 0.7
+           costs: CostModel | None = None, max_draft_len: int = 8, prior: list[float] | None = None
            ) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
@@ -73,7 +73,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         # The controller plans with the costs as they were when the request started, so its choices (and
         # with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
         # reproduces for the same snapshot. New measurements go to the shared model for later requests.
-        auto = AutoDraftLen(max_draft_len, copy.deepcopy(costs), prior, free_draft=drafter.name == "ngram")
+        auto = AutoDraftLen(max_draft_len, copy.deepcopy(costs), free_draft=drafter.name == "ngram",
+                            accept=list(prior or [])[:max_draft_len])
     k = (max_draft_len if auto else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
     stats = Stats(draft_len="auto" if auto else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))

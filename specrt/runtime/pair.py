@@ -9,7 +9,7 @@ import numpy as np
 
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
 from specrt.runtime.adaptive import CostModel
-from specrt.errors import ConfigError
+from specrt.errors import ConfigError, PairError
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Pair:
     thread). `close()` (or a `with` block) releases the onnxruntime sessions and caches.
     """
 
-    def __init__(self, pair_dir, threads: int | None = None, verify: bool = True):
+    def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True):
         from specrt.engines.ort import OrtEngine
         from specrt.runtime.text import TextCodec
 
@@ -41,28 +41,44 @@ class Pair:
         self.target = OrtEngine(self.dir, m.target, m.max_len, m.max_draft_len + 1, threads=threads)
         self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
+        self.tuned = (m.tuned or {}) if use_tuned else {}
+        if self.tuned:
+            if self.tuned.get("graphs") != m.graph_hashes():
+                raise PairError(f"the tuned settings in {self.dir}/manifest.json were measured on other graphs "
+                                "(re-exported?); rerun `specrt tune` or delete the manifest's \"tuned\" entry")
+            c = self.tuned.get("costs", {})
+            self.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()})
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str = 4,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
                  stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
                  on_text: Callable[[str], None] | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
-        temperature 0 is greedy; draft_len 0 is plain target-only decoding through the same engine.
+        temperature 0 is greedy; draft_len 0 is plain target-only decoding through the same engine,
+        "auto" picks each round's length from measured acceptance and costs; default: what
+        `specrt tune` chose for this pair, else "auto".
         `drafter`: "model" (the pair's draft model), "ngram" (prompt lookup, no draft model needed)
         or "hybrid" (the n-gram proposal when there is one, else the draft model); default: "model" if
         the pair has a draft model, else "ngram".
         `chat=True` wraps a text prompt in the tokenizer's chat template as a user message.
         `on_text` receives the text as it is produced (stop strings never reach it).
         """
-        cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
-                               drafter=drafter or self.default_drafter,
-                               sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+        cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+                          drafter=drafter, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
         return self.run(self.encode(prompt, chat), cfg, on_text)
 
     @property
     def default_drafter(self) -> str:
-        return "model" if self.draft is not None else "ngram"
+        return self.tuned.get("drafter") or ("model" if self.draft is not None else "ngram")
+
+    def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
+        """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
+        return GenerationConfig(
+            draft_len=self.tuned.get("draft_len", "auto") if draft_len is None else draft_len,
+            drafter=drafter or self.default_drafter,
+            confidence_stop=self.tuned.get("confidence_stop", 0.0) if confidence_stop is None else confidence_stop,
+            **kw)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -109,7 +125,8 @@ class Pair:
             return stream.stopped
 
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
-                                       frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len)
+                                       frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
+                                       self.tuned.get("acceptance"))
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)
@@ -140,6 +157,6 @@ class Pair:
         self.close()
 
 
-def load(pair_dir, threads: int | None = None, verify: bool = True) -> Pair:
-    """Load a pair folder made by `specrt export`."""
-    return Pair(pair_dir, threads=threads, verify=verify)
+def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True) -> Pair:
+    """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any)."""
+    return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned)

@@ -1,0 +1,75 @@
+"""`specrt tune`: measure this device, sweep the drafting settings, write the winner into the manifest.
+
+It measures the draft pass and the target pass at every verify width (the cost model of
+`draft_len="auto"`), then benchmarks draft lengths, early-stop thresholds and drafters side by side
+on the given prompts, and records the fastest setting with the numbers that chose it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specrt.config import MANIFEST_NAME
+from specrt.runtime.bench import run_bench
+
+
+def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
+    """Median seconds of one draft pass and of a target pass per width 1..max_draft_len+1, over `past` slots."""
+    m = pair.manifest
+    past = min(past, m.max_len - m.max_draft_len - 2)
+    ctx = np.arange(past)[None] % m.vocab_size
+
+    def timed(engine, width, logits):
+        engine.truncate(0)
+        engine.forward(ctx, np.array([past - 1]))
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            engine.truncate(past)
+            t = time.perf_counter()
+            engine.forward(ctx[:, :width], logits)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+
+    target_s = {w: timed(pair.target, w, np.arange(w)) for w in range(1, m.max_draft_len + 2)}
+    draft_s = timed(pair.draft, 1, np.array([0])) if pair.draft is not None else None
+    return {"draft_s": draft_s, "target_s": target_s}
+
+
+def tune(pair, prompts, max_new_tokens: int, repeats: int, draft_lens: list, drafters: list[str],
+         confidence_stops: list[float], progress=None) -> dict:
+    costs = measure_costs(pair)
+    res = run_bench(pair, prompts, draft_lens, max_new_tokens, repeats, drafters=drafters,
+                    confidence_stops=confidence_stops, progress=progress)
+    best = max(res["rows"], key=lambda r: r["tokens_per_s"])
+    model_rows = [r for r in res["rows"] if r["drafter"] == "model" and r["draft_len"] != 0]
+    widest = max(model_rows, key=lambda r: len(r["accepted_per_position"]), default=None)
+    return {
+        "drafter": best["drafter"] if best["draft_len"] else pair.default_drafter,
+        "draft_len": best["draft_len"],
+        "confidence_stop": best["confidence_stop"],
+        "acceptance": widest["accepted_per_position"] if widest else [],
+        "costs": costs,
+        "graphs": pair.manifest.graph_hashes(),
+        "measured": {
+            "tokens_per_s": best["tokens_per_s"], "speedup": best["speedup"], "prompts": res["prompts"],
+            "repeats": repeats, "max_new_tokens": max_new_tokens, "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "bench": res,
+    }
+
+
+def write_tuned(pair_dir: Path, tuned: dict) -> None:
+    """Store the tuned settings (without the full bench table) in the manifest, atomically."""
+    path = Path(pair_dir) / MANIFEST_NAME
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    raw["tuned"] = {k: v for k, v in tuned.items() if k != "bench"}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(raw, indent=2))
+    os.replace(tmp, path)
