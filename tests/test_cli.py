@@ -71,7 +71,7 @@ def test_export_command(hf_tiny, tmp_path):
 
 def test_generate_streams_text_and_prints_stats(qwen_dir, qwen_pair):
     want = qwen_pair.generate("def quicksort(xs):", max_new_tokens=40, draft_len=4)
-    r = invoke("generate", qwen_dir, "--prompt", "def quicksort(xs):", "--max-new-tokens", 40)
+    r = invoke("generate", qwen_dir, "--prompt", "def quicksort(xs):", "--max-new-tokens", 40, "--draft-len", 4)
     assert r.exit_code == 0, r.output
     assert r.stdout == want.text + "\n"
     lines = r.stderr.strip().splitlines()

@@ -1,0 +1,107 @@
+"""`specrt tune` and `specrt bench`: measured settings land in the manifest and become the defaults."""
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import specrt
+from specrt.cli import main
+from specrt.errors import PairError
+
+from _helpers import copy_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "bench" / "prompts" / "prompts.jsonl"
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], color=True)
+
+
+def _tune(pair_dir, *extra):
+    return invoke("tune", pair_dir, "--prompts", PROMPTS, "--limit", 2, "--max-new-tokens", 8,
+                  "--draft-lens", "0,2,auto", "--confidence-stops", "0,0.5", *extra)
+
+
+def test_tune_writes_settings_that_become_defaults(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    r = _tune(d, "--drafters", "model,ngram")
+    assert r.exit_code == 0, r.output
+    assert "chose drafter" in r.stdout and "measured pass costs" in r.stdout
+    tuned = json.loads((d / "manifest.json").read_text())["tuned"]
+    assert tuned["drafter"] in ("model", "ngram")
+    assert tuned["draft_len"] in (0, 2, "auto") and tuned["confidence_stop"] in (0.0, 0.5)
+    assert set(tuned["costs"]["target_s"]) == {str(w) for w in range(1, 10)}
+    assert tuned["costs"]["draft_s"] > 0
+    with specrt.load(d) as pair:
+        assert pair.tuned["graphs"] == pair.manifest.graph_hashes()
+        cfg = pair.config(max_new_tokens=4)
+        assert (cfg.draft_len, cfg.drafter, cfg.confidence_stop) == (
+            tuned["draft_len"], tuned["drafter"] if tuned["draft_len"] else pair.default_drafter, tuned["confidence_stop"])
+        assert pair.costs.target(1) == pytest.approx(tuned["costs"]["target_s"]["1"])
+        res = pair.generate("def f(x):", max_new_tokens=8)
+        assert res.stats["draft_len"] == tuned["draft_len"]
+        # explicit arguments still win over the tuned defaults
+        assert pair.generate("def f(x):", max_new_tokens=8, draft_len=1).stats["draft_len"] == 1
+
+
+def test_tune_dry_run_leaves_manifest_alone(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    before = (d / "manifest.json").read_text()
+    r = _tune(d, "--drafters", "ngram", "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert (d / "manifest.json").read_text() == before
+
+
+def test_tuned_settings_for_other_graphs_are_refused(qwen_dir, tmp_path):
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    assert _tune(d, "--drafters", "model").exit_code == 0
+    raw = json.loads((d / "manifest.json").read_text())
+    raw["tuned"]["graphs"] = {k: "0" * 64 for k in raw["tuned"]["graphs"]}
+    (d / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(PairError, match="tuned settings"):
+        specrt.load(d)
+    r = invoke("generate", d, "--prompt", "x")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.stderr.strip().splitlines()[-1].startswith("Error: ") and "specrt tune" in r.stderr
+    # tune itself can still run on it, and repairs it
+    assert _tune(d, "--drafters", "model").exit_code == 0
+    specrt.load(d).close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--drafters", "bogus"), "unknown drafter"),
+    (("--confidence-stops", "x"), "--confidence-stops"),
+    (("--confidence-stops", "1.5"), "confidence_stop"),
+    (("--repeats", "0"), "--repeats"),
+    (("--draft-lens", "0,-2"), "draft"),
+])
+def test_tune_bad_input(qwen_dir, args, message):
+    r = _tune(qwen_dir, *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+
+
+def test_tune_needs_prompts_file(qwen_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "prompt": "ok"}\n{not json\n')
+    r = invoke("tune", qwen_dir, "--prompts", bad)
+    assert r.exit_code == 2 and f"{bad}:2" in r.output
+
+
+def test_bench_json_and_table(qwen_dir, tmp_path):
+    out = tmp_path / "b.json"
+    r = invoke("bench", qwen_dir, "--prompts", PROMPTS, "--limit", 3, "--draft-lens", "0,2", "--drafters",
+               "model,hybrid", "--max-new-tokens", 8, "--repeats", 2, "--json", out)
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert [(row["drafter"], row["draft_len"]) for row in res["rows"]] == [("none", 0), ("model", 2), ("hybrid", 2)]
+    base = res["rows"][0]
+    assert base["speedup"] == 1.0
+    for row in res["rows"]:
+        for key in ("tokens_per_s", "acceptance_rate", "accepted_per_position", "tokens_per_target_pass",
+                    "ttft_ms", "itl_ms", "tokens_per_s_by_class"):
+            assert key in row
+    assert set(base["tokens_per_s_by_class"]) == {"code"}  # the first three prompts are code generation
+    assert res["peak_rss_mb"] > 0 and "best:" in r.stdout
