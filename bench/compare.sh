@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# specrt against its peers, side by side in one sitting, on the real Qwen2.5-Coder pair.
+# Runs one thing at a time (2 cores: anything else running skews every number) and writes
+# bench/results/*.json; bench/render_results.py turns them into bench/RESULTS.md tables.
+#   bash bench/compare.sh            (needs: scripts/demo.sh run once, the fp32 pair exported, peers installed)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=bench/results
+P=bench/prompts/prompts.jsonl
+INT4=pairs/qwen2.5-coder-0.5b-1.5b-int4
+FP32=pairs/qwen2.5-coder-0.5b-1.5b-fp32
+LIMIT=${LIMIT:-3}   # the three code-generation prompts for the peer comparison
+run() { echo "== $* ($(date +%T))"; timeout 2400 "$@" || echo "!! failed: $*"; }
+date -u +%FT%TZ > $OUT/when.txt
+run specrt bench $INT4 --prompts $P --draft-lens 0,2,3,4,auto --drafters model --repeats 3 --max-new-tokens 128 \
+    --limit $LIMIT --json $OUT/specrt_int4_code.json
+run specrt bench $FP32 --prompts $P --draft-lens 0,3,4,auto --repeats 3 --max-new-tokens 128 \
+    --limit $LIMIT --json $OUT/specrt_fp32_code.json
+run python bench/peers/ortgenai_peer.py --k 3,4 --repeats 3 --limit $LIMIT --json $OUT/peer_ortgenai.json
+run python bench/peers/llamacpp_peer.py --pld 2,10 --repeats 3 --limit $LIMIT --json $OUT/peer_llamacpp.json
+run python bench/peers/transformers_peer.py --settings target,assisted-k4 --repeats 1 --limit $LIMIT \
+    --json $OUT/peer_transformers.json
+# all prompt classes (code, edit, chat) for specrt's drafters
+run specrt bench $INT4 --prompts $P --draft-lens 0,3,auto --drafters model,ngram,hybrid --repeats 2 \
+    --max-new-tokens 128 --json $OUT/specrt_int4_classes.json
+python bench/render_results.py $OUT > $OUT/tables.md && echo "wrote $OUT/tables.md"
