@@ -159,6 +159,11 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
 
     if (prompts is None) == (prompt_text is None):
         raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
+    if json_out is not None:  # fail now, not after the whole run
+        try:
+            json_out.open("a").close()
+        except OSError as e:
+            raise ConfigError(f"cannot write --json {json_out}: {e.strerror}") from None
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     sampling = SamplingConfig(temperature=temperature)
@@ -225,6 +230,11 @@ def summary(s: dict) -> str:
             f"acceptance {s['acceptance_rate']:.0%}, {s['tokens_per_target_pass']:.2f} tokens/target pass, "
             f"ttft {s['ttft_s'] * 1000:.0f} ms]")
 
+
+from specrt.cli_trust import check, info  # noqa: E402  (they use _errors, defined above)
+
+main.add_command(info)
+main.add_command(check)
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,12 @@ KV_LAYOUT = "seq,batch,kv_heads,head_dim"
 DRAFTERS = ("model", "ngram", "hybrid")
 
 
+def _is_int(v) -> bool:
+    import numbers
+
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1.0 mean off."""
@@ -32,6 +38,8 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
+        if not _is_int(self.top_k):
+            raise ConfigError(f"top_k must be an integer, got {self.top_k!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -64,7 +72,11 @@ class GenerationConfig:
             raise ConfigError(f"ngram_max must be in 1..16, got {self.ngram_max}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.draft_len != "auto" and (not isinstance(self.draft_len, int) or self.draft_len < 0):
+        if not _is_int(self.max_new_tokens):
+            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.draft_len != "auto" and (not _is_int(self.draft_len) or self.draft_len < 0):
             raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {self.draft_len!r}")
         if not 0.0 <= self.confidence_stop < 1.0:
             raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}")

@@ -78,7 +78,8 @@ def cut_at_eos(ids, eos_ids) -> tuple[list[int], str]:
     return ids, "length"
 
 
-def run_protocol(settings: dict, prompts: list[dict], repeats: int, progress: bool = True) -> dict:
+def run_protocol(settings: dict, prompts: list[dict], repeats: int, progress: bool = True,
+                 before_measure=None) -> dict:
     """settings: name -> fn(prompt_index) -> dict(tokens=[ids], wall_s, [proposed, accepted, target_passes])."""
     runs = {name: [] for name in settings}  # name -> [(repeat, prompt_index, result)]
     t0 = time.perf_counter()
@@ -86,6 +87,8 @@ def run_protocol(settings: dict, prompts: list[dict], repeats: int, progress: bo
         r = fn(0)
         if progress:
             print(f"  warm-up {name}: {len(r['tokens'])} tokens in {r['wall_s']:.2f} s", file=sys.stderr, flush=True)
+    if before_measure is not None:
+        before_measure()
     for rep in range(repeats):
         for name, fn in settings.items():
             for i in range(len(prompts)):

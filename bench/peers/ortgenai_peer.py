@@ -205,10 +205,13 @@ def main():
             if k:
                 st = gen.get_speculative_stats()
                 acc = spec_totals.setdefault(f"spec-k{k}", {})
-                for key, v in st.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                for key, v in st.items():  # counts only (ratios and averages do not add up)
+                    if (isinstance(v, (int, float)) and not isinstance(v, bool) and key != "effective_k"
+                            and not key.startswith(("avg_", "mean_", "expected_", "acceptance_"))):
                         acc[key] = acc.get(key, 0) + v
-                res["proposed"] = int(st.get("draft_tokens_proposed", 0))
+                # "proposed" = drafted tokens the target verified (draft_tokens_evaluated), as specrt counts
+                # them; draft_tokens_proposed also holds drafts dropped unverified at the length limit.
+                res["proposed"] = int(st.get("draft_tokens_evaluated", st.get("draft_tokens_proposed", 0)))
                 res["accepted"] = int(st.get("draft_tokens_accepted", 0))
                 if "target_forward_passes" in st:
                     res["target_passes"] = int(st["target_forward_passes"])
@@ -225,8 +228,8 @@ def main():
     if ks:
         probe = settings[f"spec-k{ks[0]}"](0)
         print(f"speculative stats keys: {json.dumps(probe['stats'], default=str)[:600]}", file=sys.stderr, flush=True)
-        spec_totals.clear()
-    result = C.run_protocol(settings, prompts, args.repeats)
+    result = C.run_protocol(settings, prompts, args.repeats,
+                            before_measure=spec_totals.clear)  # the sums cover measured runs only
     for row in result["rows"]:
         if row["setting"] in spec_totals:
             row["speculative_stats_sum"] = spec_totals[row["setting"]]
@@ -234,7 +237,7 @@ def main():
                     "accuracy_level": args.accuracy_level if args.accuracy_level is not None else "builder default (4 on CPU)",
                     "target_dir": str(run_t), "spec_dir": str(run_s) if ks else None,
                     "prompt_tokens": [int(len(x)) for x in prompt_ids],
-                    "notes": "acceptance = draft_tokens_accepted / draft_tokens_proposed from get_speculative_stats(); "
+                    "notes": "acceptance = draft_tokens_accepted / draft_tokens_evaluated from get_speculative_stats(); "
                              "tokens exclude EOS"}, result, prompts)
 
 

@@ -140,7 +140,7 @@ def _cached_ok(spec: ModelSpec, final: Path) -> bool:
     """True if ``final`` is the verified GGUF; rehashes only when the marker does not match size and mtime."""
     try:
         st = final.stat()
-    except FileNotFoundError:
+    except OSError:  # missing, or a path through a regular file: not cached
         return False
     if st.st_size != spec.size:
         return False

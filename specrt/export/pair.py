@@ -62,6 +62,10 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
         tmp.mkdir()
         roles = {"target": cfg.target} | ({"draft": cfg.draft} if cfg.draft else {})
         sources = {r: load.resolve(s) for r, s in roles.items()}
+        for role, src in sources.items():
+            a, b = out.resolve(), src.folder.resolve()
+            if a == b or a in b.parents or b in a.parents:
+                raise ExportError(f"--out {out} overlaps the {role} source {src.folder}; choose a separate folder")
         configs = {r: load.load_config(s) for r, s in sources.items()}
         for role, c in configs.items():
             if c.model_type not in SUPPORTED_MODEL_TYPES:
@@ -93,14 +97,26 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
             created_by=f"specrt {_version()}",
         )
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _swap_in(tmp, out)
         return manifest
     except OSError as e:
         raise ExportError(f"export failed writing {e.filename or tmp}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(new: Path, out: Path) -> None:
+    """Replace `out` by `new`; an old pair is moved aside first and put back if the swap fails."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except OSError:
+        if old.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def param_count(c) -> int:

@@ -24,6 +24,8 @@ class Prompt:
 
 def read_prompts(path: Path, pair, limit: int | None = None) -> list[Prompt]:
     """JSONL: {"id", "prompt" | "messages", "chat": bool (default true for "prompt"), "class"}."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
     try:
         lines = Path(path).read_bytes().decode("utf-8").splitlines()
     except OSError as e:

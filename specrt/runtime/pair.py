@@ -1,7 +1,22 @@
-"""The Python API: load a pair folder once, generate many times."""
+"""The Python API: load a pair folder once, generate (or stream) many times.
+
+    with specrt.load("PAIR_DIR") as pair:                       # load once: seconds
+        res = pair.generate("def fib(n):", max_new_tokens=64)   # then generate many times
+        with pair.stream("def fib(n):", cancel=stop_event) as s:
+            for chunk in s:                                      # text as it is produced
+                show(chunk)
+        s.result                                                 # the Result, once the stream ended
+
+Threads: a Pair holds one KV cache per model, so it runs one generation at a time. Use one Pair
+per thread, or your own lock; a second thread that calls generate while one runs gets a
+ConfigError at once (never a wait, never corrupted caches).
+"""
 from __future__ import annotations
 
-from collections.abc import Callable
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,33 +26,90 @@ from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verif
 from specrt.runtime.adaptive import CostModel
 from specrt.errors import ConfigError, PairError
 
+FINISH_REASONS = ("eos", "length", "stop", "cancelled")
+
 
 @dataclass(frozen=True)
 class Result:
     tokens: list[int]  # generated ids, prompt and EOS excluded
     text: str  # decoded generated text (ends before a stop string)
-    finish_reason: str  # "eos" | "length" | "stop"
+    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
     stats: dict  # see runtime.decode.Stats.as_dict
+
+
+def _stops(stop) -> tuple[str, ...]:
+    """`stop=` accepts one string or a list of them (a bare string is one stop string, not its letters)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    try:
+        stops = tuple(stop)
+    except TypeError:
+        raise ConfigError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
+    if any(not isinstance(s, str) for s in stops):
+        raise ConfigError("stop must be a string or a list of strings")
+    return stops
+
+
+def _cancel_fn(cancel) -> Callable[[], bool] | None:
+    """`cancel=` accepts a threading.Event (cancelled once set) or a callable returning True to cancel."""
+    if cancel is None:
+        return None
+    is_set = getattr(cancel, "is_set", None)
+    if callable(is_set):
+        return is_set
+    if callable(cancel):
+        return cancel
+    raise ConfigError(f"cancel must be a threading.Event or a callable returning True to cancel, got {type(cancel).__name__}")
 
 
 class Pair:
     """A loaded draft/target pair. Create with `specrt.load(pair_dir)`.
 
-    One Pair holds one KV cache per model, so use it from one thread at a time (or one Pair per
-    thread). `close()` (or a `with` block) releases the onnxruntime sessions and caches.
+    One Pair holds one KV cache per model, so it runs one generation at a time: use one Pair per
+    thread, or your own lock. A call that finds the Pair busy (another thread is generating, an
+    unfinished `stream` is still open, or an `on_text` callback calls back into the Pair) raises
+    ConfigError at once instead of waiting.
+
+    `close()` (or a `with` block) releases the onnxruntime sessions and caches; afterwards
+    `generate` and `stream` raise PairError. Closing from another thread while a generation runs
+    cancels it at its next round and waits for it to end.
+
+    `check_memory`: before loading, estimate what the pair needs (weights, KV caches at max_len,
+    logits, workspace; see `specrt.runtime.memory`) and refuse with a PairError, which names a
+    max_len that would fit, when the machine does not have it available. The estimate is kept in
+    `self.memory`.
     """
 
-    def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True):
+    def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
+                 check_memory: bool = True):
         from specrt.engines.ort import OrtEngine
+        from specrt.runtime import memory
         from specrt.runtime.text import TextCodec
 
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+            raise ConfigError(f"threads must be an integer >= 1 (or 0/None: onnxruntime's default), got {threads!r}")
+        self._lock = threading.Lock()  # held while a generation runs
+        self._owner: int | None = None  # thread id of the caller holding it
+        self._closed = False
+        self._closing = threading.Event()  # set by close(): cancels a generation in flight
+        self.target = self.draft = None
+        self.last_result: Result | None = None  # the Result of the latest finished generate/stream
         self.dir = Path(pair_dir)
         self.manifest = m = read_manifest(self.dir)
+        # Before hashing or loading anything: a pair that cannot fit is refused in milliseconds.
+        self.memory = memory.check_memory(self.dir, m) if check_memory else memory.estimate(self.dir, m)
         if verify:
             for entry in (m.target, m.draft):
                 if entry is not None:
                     verify_files(self.dir, entry)
         self.codec = TextCodec(self.dir)
+        vocab = self.codec.tokenizer.get_vocab(with_added_tokens=True)
+        top = max(vocab.values(), default=-1) + 1
+        if top != m.vocab_size:
+            raise PairError(f"{self.dir / 'tokenizer.json'} does not match the manifest: its ids go up to {top - 1}, "
+                            f"the pair's vocabulary has {m.vocab_size} ids (replaced tokenizer?); re-export the pair")
         self.target = OrtEngine(self.dir, m.target, m.max_len, m.max_draft_len + 1, threads=threads)
         self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
@@ -51,8 +123,8 @@ class Pair:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
-                 stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-                 on_text: Callable[[str], None] | None = None) -> Result:
+                 stop: str | tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
+                 on_text: Callable[[str], None] | None = None, cancel=None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
         temperature 0 is greedy; draft_len 0 is plain target-only decoding through the same engine,
@@ -62,11 +134,39 @@ class Pair:
         or "hybrid" (the n-gram proposal when there is one, else the draft model); default: "model" if
         the pair has a draft model, else "ngram".
         `chat=True` wraps a text prompt in the tokenizer's chat template as a user message.
-        `on_text` receives the text as it is produced (stop strings never reach it).
+        `stop`: a string or a list of strings; the text ends before the first one that appears.
+        `on_text` receives the text as it is produced (stop strings never reach it), in this thread.
+        `cancel`: a threading.Event, or a callable returning True, checked once per round (one target
+        pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
         """
-        cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+        cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
                           drafter=drafter, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
-        return self.run(self.encode(prompt, chat), cfg, on_text)
+        return self.run(self.encode(prompt, chat), cfg, on_text, cancel)
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
+               stop: str | tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
+               cancel=None) -> Stream:
+        """Like `generate`, but return an iterator of text chunks as they are produced.
+
+            with pair.stream("def fib(n):", max_new_tokens=64) as s:
+                for chunk in s:
+                    print(chunk, end="", flush=True)
+            s.result  # the Result (also pair.last_result, and StopIteration.value)
+
+        Bad settings raise here, at once. Decoding runs in a helper thread while you consume the
+        chunks (it does not wait for you: the chunks queue up). Closing the stream early (`close()`,
+        leaving the `with` block, `break` out of a `for` over an unnamed stream) cancels the
+        generation at its next round and waits for it; `result` then has finish_reason "cancelled".
+        The Pair is busy until the stream is exhausted or closed.
+        """
+        cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
+                          drafter=drafter, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+        ids = self.encode(prompt, chat)
+        fn = _cancel_fn(cancel)
+        self._check_open()
+        self._check_request(ids, cfg)
+        return Stream(self, ids, cfg, fn)
 
     @property
     def default_drafter(self) -> str:
@@ -86,7 +186,12 @@ class Pair:
                 prompt = self.codec.apply_chat_template([{"role": "user", "content": prompt}])
             ids = self.codec.encode(prompt)
         else:
-            ids = list(prompt)
+            if isinstance(prompt, (bytes, bytearray, dict)):
+                raise ConfigError(f"the prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+            try:
+                ids = list(prompt)
+            except TypeError:
+                raise ConfigError(f"the prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
             if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
                 raise ConfigError("a prompt given as a list must hold integer token ids")
             ids = [int(i) for i in ids]
@@ -96,10 +201,50 @@ class Pair:
             raise ConfigError("the prompt is empty")
         return ids
 
-    def run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None = None) -> Result:
-        from specrt.runtime.decode import decode
-        from specrt.runtime.text import TextStream
+    def run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None = None,
+            cancel=None) -> Result:
+        """Generate after the token ids `prompt` with a ready GenerationConfig (see `generate`)."""
+        fn = _cancel_fn(cancel)
+        self._begin()
+        try:
+            return self._run(prompt, cfg, on_text, fn)
+        finally:
+            self._end()
 
+    # ------------------------------------------------------------------ one generation at a time
+
+    @contextmanager
+    def exclusive(self):
+        """Hold the Pair like a generation does, for code that drives `self.target`/`self.draft`
+        directly (checks, batch runners): a generate or stream meanwhile raises ConfigError, and
+        entering while one runs raises ConfigError."""
+        self._begin()
+        try:
+            yield self
+        finally:
+            self._end()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PairError(f"this Pair ({self.dir}) is closed; load the pair again")
+
+    def _begin(self) -> None:
+        self._check_open()
+        if not self._lock.acquire(blocking=False):
+            raise ConfigError("this Pair is already generating (in another thread, an unfinished stream, or a callback "
+                              "of its own); a Pair runs one generation at a time: use one Pair per thread, or your own lock")
+        if self._closed:  # closed between the check and the lock
+            self._lock.release()
+            self._check_open()
+        self._owner = threading.get_ident()
+
+    def _end(self) -> None:
+        self._owner = None
+        self._lock.release()
+        if self._closed:
+            self._release()
+
+    def _check_request(self, prompt: list[int], cfg: GenerationConfig) -> None:
         m = self.manifest
         k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
         if k > m.max_draft_len:
@@ -116,13 +261,35 @@ class Pair:
             fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
             raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
                               f"exceeds max_len {m.max_len}; {fix}")
-        stream = TextStream(self.codec, cfg.stop)
 
-        def on_tokens(new: list[int]) -> bool:
+    def _run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None,
+             cancel: Callable[[], bool] | None) -> Result:
+        """One generation; the caller holds the lock."""
+        from specrt.runtime.decode import Stats, decode
+        from specrt.runtime.text import TextStream
+
+        m = self.manifest
+        self._check_request(prompt, cfg)
+
+        def cancelled_now() -> bool:
+            return self._closing.is_set() or (cancel is not None and bool(cancel()))
+
+        if cancelled_now():
+            stats = Stats(draft_len=cfg.draft_len, prompt_tokens=len(prompt)).as_dict()
+            self.last_result = Result(tokens=[], text="", finish_reason="cancelled", stats=stats)
+            return self.last_result
+        stream = TextStream(self.codec, cfg.stop)
+        cancelled = False
+
+        def on_tokens(new: list[int]) -> bool:  # once per round: the round's accepted tokens
+            nonlocal cancelled
             chunk = stream.feed(new)
             if chunk and on_text is not None:
                 on_text(chunk)
-            return stream.stopped
+            if stream.stopped:
+                return True
+            cancelled = cancelled_now()
+            return cancelled
 
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
@@ -133,7 +300,10 @@ class Pair:
         if stream.stopped:
             tokens = tokens[: stream.n_tokens]
             stats.new_tokens = len(tokens)  # tokens accepted past the stop string are not output
-        return Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
+        elif cancelled:
+            reason = "length" if len(tokens) >= cfg.max_new_tokens else "cancelled"
+        self.last_result = Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
+        return self.last_result
 
     def _drafter(self, cfg: GenerationConfig):
         from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter
@@ -146,9 +316,27 @@ class Pair:
         return model if cfg.drafter == "model" else HybridDrafter(model, NgramDrafter(cfg.ngram_max))
 
     def close(self) -> None:
+        """Release the sessions and caches. Idempotent.
+
+        From another thread while a generation runs: cancels it at its next round and waits for it.
+        From inside the running generation (an `on_text` callback, a stream's consumer loop): the
+        generation is cancelled and the Pair is released when it returns.
+        """
+        self._closed = True
+        self._closing.set()
+        if self._owner == threading.get_ident():
+            return  # our own generation is on the stack: _end() releases
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         for e in (self.target, self.draft):
             if e is not None:
                 e.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self):
         return self
@@ -157,6 +345,89 @@ class Pair:
         self.close()
 
 
-def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True) -> Pair:
-    """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any)."""
-    return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned)
+class _Done:
+    def __init__(self, result=None, error: BaseException | None = None):
+        self.result, self.error = result, error
+
+
+def _stream_chunks(pair: Pair, ids: list[int], cfg: GenerationConfig, cancel, box: dict) -> Iterator[str]:
+    """The generator behind Stream. It must not reference the Stream (no cycle: dropping the Stream
+    closes this generator at once, which cancels the decode and frees the Pair)."""
+    pair._begin()
+    stop = threading.Event()
+    chunks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def work():
+        try:
+            res = pair._run(ids, cfg, chunks.put, lambda: stop.is_set() or (cancel is not None and bool(cancel())))
+            chunks.put(_Done(result=res))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            chunks.put(_Done(error=e))
+
+    worker = threading.Thread(target=work, name="specrt-stream")
+    try:
+        worker.start()
+        while True:
+            item = chunks.get()
+            if isinstance(item, _Done):
+                if item.error is not None:
+                    raise item.error
+                box["result"] = item.result
+                return item.result
+            yield item
+    finally:
+        stop.set()  # consumer gone early (close, break, exception): cancel at the next round
+        if worker.ident is not None:
+            worker.join()
+        while "result" not in box and not chunks.empty():  # closed early: keep the cancelled Result
+            item = chunks.get()
+            if isinstance(item, _Done) and item.error is None:
+                box["result"] = item.result
+        pair._end()
+
+
+class Stream:
+    """Text chunks of one generation, as an iterator; see `Pair.stream`.
+
+    `result` is the Result once the iterator is exhausted or closed (None before); iteration
+    ends with StopIteration(value=Result) like a generator's return. `close()` cancels a
+    generation still running; a `with` block closes on exit.
+    """
+
+    def __init__(self, pair: Pair, ids: list[int], cfg: GenerationConfig, cancel):
+        self._box: dict = {}
+        self._gen = _stream_chunks(pair, ids, cfg, cancel, self._box)
+
+    @property
+    def result(self) -> Result | None:
+        return self._box.get("result")
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def close(self) -> None:
+        """Stop early: the generation is cancelled at its next round (and waited for). Never started:
+        nothing runs, `result` stays None."""
+        self._gen.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def text(self) -> str:
+        """Consume the rest of the stream; return all its text."""
+        return "".join(self)
+
+
+def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
+         check_memory: bool = True) -> Pair:
+    """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any).
+
+    `check_memory=False` skips the memory estimate check (see `Pair`).
+    """
+    return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned, check_memory=check_memory)
