@@ -231,10 +231,12 @@ def summary(s: dict) -> str:
             f"ttft {s['ttft_s'] * 1000:.0f} ms]")
 
 
-from specrt.cli_trust import check, info  # noqa: E402  (they use _errors, defined above)
+from specrt.cli_batch import batch  # noqa: E402  (these look _errors up when they run)
+from specrt.cli_trust import check, info  # noqa: E402
 
 main.add_command(info)
 main.add_command(check)
+main.add_command(batch)
 
 if __name__ == "__main__":
     main()

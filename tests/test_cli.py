@@ -24,7 +24,7 @@ def invoke(*args, **kw):
 def test_main_help_lists_commands():
     r = invoke("--help")
     assert r.exit_code == 0, r.output
-    for cmd in ("export", "generate", "fetch"):
+    for cmd in ("export", "generate", "fetch", "bench", "tune", "info", "check", "batch"):
         assert cmd in r.stdout
     assert invoke("-h").stdout == r.stdout
 

@@ -36,16 +36,20 @@ class OrtEngine:
     """One model on onnxruntime's CPU provider. Implements engines.base.Engine."""
 
     def __init__(self, pair_dir: Path, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
-                 threads: int | None = None, spinning: bool = False):
+                 threads: int | None = None, spinning: bool = False, session=None):
+        """`session`: an already loaded InferenceSession of this graph (another engine's), so that engines
+        of other batch sizes, each with its own KV buffers, share one copy of the weights."""
         import onnxruntime as ort
 
         path = Path(pair_dir) / entry.path
-        try:
-            self.session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning),
-                                                providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own types with multi-line text
-            raise PairError(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        _check_io(self.session, entry, path)
+        if session is None:
+            try:
+                session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning),
+                                               providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own types with multi-line text
+                raise PairError(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            _check_io(session, entry, path)
+        self.session = session
         self.entry = entry
         self.max_len, self.batch, self.length = max_len, batch, 0
         self.dtype = np.dtype(entry.dtype)

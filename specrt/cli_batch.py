@@ -1,0 +1,103 @@
+"""`specrt batch`: an offline job over a JSONL file of prompts (runtime/jobs.py does the work).
+
+Registered in specrt.cli with `main.add_command(batch)`; also runs as `python -m specrt.cli_batch`.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import click
+
+
+def _errors(fn):
+    """specrt.cli's `_errors` (bad input: one `Error:` line, exit code 2), looked up when the command
+    runs: specrt.cli imports this module to register `batch`, so importing it here at import time
+    would be circular under `python -m specrt.cli`."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        from specrt.cli import _errors as errors
+
+        return errors(fn)(*a, **kw)
+
+    return wrapper
+
+
+def _batch_size(ctx, param, value):
+    v = str(value).strip().lower()
+    if v == "auto":
+        return "auto"
+    try:
+        b = int(v)
+    except ValueError:
+        b = 0
+    if b < 1:
+        raise click.BadParameter(f"expected an integer >= 1 or 'auto', got {value!r}")
+    return b
+
+
+def _draft_len(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        k = int(value)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise click.BadParameter(f"expected an integer >= 0 (0 = target only), got {value!r}")
+    return k
+
+
+@click.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
+              help='JSONL: one {"id", "prompt" | "messages", optional "max_new_tokens", "temperature", "top_k", '
+                   '"top_p", "seed", "stop"} per line.')
+@click.option("--output", "output_path", required=True, type=click.Path(path_type=Path),
+              help='JSONL of results, one {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"} a '
+                   "line. A rerun with the same output resumes where it stopped.")
+@click.option("--batch-size", default="auto", show_default=True, callback=_batch_size,
+              help="Sequences decoded together, or 'auto': measure 1, 2, 4, 8 on the first records, keep the fastest.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most new tokens per record (a record's own value wins).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy (a record's own value wins).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens, 0 = off (a record's own value wins).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep, 1.0 = off (a record's own value wins).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Base seed: a record without its own \"seed\" uses one derived from this and its id.")
+@click.option("--draft-len", default=None, callback=_draft_len,
+              help="Draft tokens per round, 0 = target only (default: the tuned length if fixed, else 4).")
+@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
+              help="Drafter (default: the tuned one, else model, or ngram for a pair without a draft model).")
+@click.option("--chat/--no-chat", default=False, show_default=True,
+              help='Wrap each text "prompt" in the tokenizer\'s chat template ("messages" always are).')
+@click.option("--overwrite", is_flag=True, help="Replace an output that belongs to another job (or to no job).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run on Ray: alone, a local Ray instance; or ADDRESS (HOST:PORT, ray://HOST:PORT, auto; "
+                   "write --ray=ADDRESS or put --ray after PAIR_DIR). PAIR_DIR must exist at the same path on "
+                   "every node.")
+@click.option("--ray-actors", type=int, default=None,
+              help="Ray actors, each loading the pair once (default: the cluster's CPUs / --ray-cpus-per-actor).")
+@click.option("--ray-cpus-per-actor", type=int, default=1, show_default=True,
+              help="CPUs (and onnxruntime threads) per Ray actor.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@_errors
+def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
+          drafter, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress):
+    """Run a JSONL file of prompts through batched speculative decoding into a JSONL file of results.
+
+    Output lines are appended atomically and fsync'ed; a killed job resumes when rerun with the same
+    --output (ids already written are skipped, a torn last line is cut off). An output that belongs
+    to another input file or other settings is refused unless --overwrite.
+    """
+    from specrt.runtime.jobs import JobSettings, run_job
+
+    settings = JobSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, draft_len=draft_len, drafter=drafter, chat=chat)
+    run_job(pair_dir, input_path, output_path, settings, batch_size=batch_size, overwrite=overwrite,
+            ray_address=ray_address, ray_actors=ray_actors, ray_cpus_per_actor=ray_cpus_per_actor,
+            progress=progress)
+
+
+if __name__ == "__main__":
+    batch()

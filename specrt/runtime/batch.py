@@ -1,0 +1,559 @@
+"""Batched speculative decoding: B sequences share every draft pass and every target verify pass.
+
+Each of the B rows ("slots") of the batch runs its own request with its own settings (sampling,
+seed, stop strings, max_new_tokens, a fixed draft_len 0..max_draft_len, drafter model, ngram or
+hybrid): it accepts its own number of draft tokens per round (ragged), stops on its own (EOS, its
+stop strings, its max_new_tokens), and a finished slot is refilled from the request queue at once,
+so the batch stays full until the queue runs dry. A round is: draft passes (one per drafted
+position, shared by every row still drafting; rows done drafting are padded), one verify pass
+shared by all rows, then accept/commit per row. A pass costs more at batch B than at batch 1; what
+batching buys is aggregate tokens/s.
+
+Design
+------
+*Engines.* Per model, one batch-B `OrtEngine` that shares the pair's already-loaded onnxruntime
+session (the weights are not loaded twice), with its own KV buffers `[cache_len, B, Hkv, D]`.
+
+*Ragged cache, one shared slot index.* A forward writes every row's new K/V at the same slots
+`P..P+S-1` (P = the engine's length). Each row keeps the list of slots that hold its sequence, in
+order, and a validity mask over slots; its next position id is the number of its valid slots. Rows
+with fewer new tokens than S are padded (pad slots get mask 0, so nobody ever attends to them); a
+row that rejects drafts drops their slots from its list and masks them from then on. After each
+commit the shared length moves back to just past the highest slot any row still uses, so slots
+that every row rejected are reused at once. Verify passes right-pad (row r's k_r+1 logits sit at
+0..k_r), draft passes left-pad (every row's last token, whose logits are wanted, is at S-1).
+
+*Refill.* A new request's prompt is prefilled by the pair's own batch-1 engines (exactly the pass a
+lone run makes, so its first token is bitwise the lone run's), and that prompt's K/V `[L]` is copied
+into the row's slots 0..L-1 (its previous sequence is finished, so those slots are free for it).
+This costs one copy of the prompt's K/V, consumes no slot of the other rows and computes no padded
+B-row prefill. If L is beyond the shared length, the length grows to L (those slots are invalid
+for every other row).
+
+*Compaction.* The shared index only grows by what the widest row keeps (1 + max accepted per
+round), but the buffers are finite: when the next pass would not fit, every row's valid slots are
+moved to the front (the one copy of cache contents; amortized: it happens once per roughly
+(cache_len - longest row) / (rounds' waste) rounds, and rows already packed are not moved). The
+batch caches have `max_draft_len + 1` slots more than the pair's max_len and no pass is wider than
+that (a lagging hybrid draft catches up in chunks), so after compaction every pass fits: each
+request is checked against max_len exactly as a lone run is.
+
+*Idle rows.* When the queue is empty, finished rows ride along with pad tokens (the batch
+dimension of the buffers is fixed); the tail of a job therefore runs below full batch.
+
+*Exactness.* Each row has its own `np.random.Generator(seed)` and draws exactly as
+`runtime.decode.decode` would for that request alone: one uniform for the first token, one per
+drafted token, k+1 for the accept test, in the same order, with the same k per round (fixed
+draft_len, limited by the tokens left). So a row's output equals its lone output whenever the
+logits agree: token for token in greedy, and draw for draw in sampling. Batched passes can differ
+from batch-1 passes in the last bits (other GEMM shapes, masked slots in the softmax sums); on
+fp32 models that changes nothing but an exact near-tie (the tests find none); int4 at accuracy
+level 4 rounds differently per batch shape (see the README), so there greedy batch and lone text can
+part at a near-tie, both faithful to the weights. `draft_len="auto"` is not supported (its choices
+depend on per-request timings).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specrt.config import GenerationConfig, SamplingConfig
+from specrt.errors import ConfigError
+from specrt.runtime import sampling
+from specrt.runtime.decode import Stats
+from specrt.runtime.drafters import NgramDrafter
+
+PAD_ID = 0  # token fed in padded positions (their slots are masked; any id would do)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: `key` is returned with its result, `prompt` token ids, `cfg` its settings."""
+
+    key: Any
+    prompt: list[int]
+    cfg: GenerationConfig
+
+
+@dataclass
+class BatchTotals:
+    """What the batch as a whole did (per-request numbers are in each result's stats)."""
+
+    batch_size: int = 0
+    requests: int = 0
+    new_tokens: int = 0
+    target_passes: int = 0  # batched verify passes (prefills are batch-1, counted apart)
+    draft_passes: int = 0  # batched draft passes, catch-up chunks included
+    prefills: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    row_rounds: int = 0  # sum over verify passes of the rows taking part
+    compactions: int = 0
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
+        d["acceptance_rate"] = self.accepted / self.proposed if self.proposed else 0.0
+        d["occupancy"] = self.row_rounds / (self.target_passes * self.batch_size) if self.target_passes else 0.0
+        return d
+
+
+def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
+    """An OrtEngine of batch `batch` with its own KV buffers over the loaded session of engine `base`."""
+    from specrt.engines.ort import OrtEngine
+
+    return OrtEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session)
+
+
+def kv_bytes(m, batch: int, cache_len: int) -> int:
+    """Bytes of the batch KV caches of both models (allocated in full when a BatchDecoder is made)."""
+    return sum(e.num_layers * 2 * cache_len * batch * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
+               for e in (m.target, m.draft) if e is not None)
+
+
+def _check_memory(m, batch: int, cache_len: int) -> None:
+    """Refuse a batch whose KV caches do not fit in the memory available now (when that is known)."""
+    from specrt.runtime.memory import available_bytes
+
+    avail = available_bytes()
+    need = kv_bytes(m, batch, cache_len)
+    if avail is not None and need > avail:
+        fits = max(0, batch * avail // need)
+        raise ConfigError(f"a batch of {batch} needs {need >> 20} MB of KV cache (max_len {m.max_len}), "
+                          f"{avail >> 20} MB are available; use a batch size <= {fits}" if fits else
+                          f"a batch of {batch} needs {need >> 20} MB of KV cache, {avail >> 20} MB are available")
+
+
+class RaggedCache:
+    """A batch engine plus, per row, the slots of its sequence (see the module docstring)."""
+
+    def __init__(self, engine, max_width: int):
+        self.e = engine
+        self.max_width = max_width  # widest pass allowed; the buffers have room for it after compaction
+        self.valid = np.zeros((engine.batch, engine.max_len), np.int64)  # attention mask over slots
+        self.slots: list[list[int]] = [[] for _ in range(engine.batch)]
+        self.compactions = 0
+        self.passes = 0
+
+    def count(self, r: int) -> int:
+        """Tokens of row r's sequence in the cache (= the position id of its next token)."""
+        return len(self.slots[r])
+
+    def load_row(self, r: int, src, n: int) -> None:
+        """Row r := the first n slots of batch-1 engine `src` (a fresh prefill) at slots 0..n-1."""
+        self.release(r)
+        e = self.e
+        if n > e.length:  # slots length..n-1 are invalid for every other row (nothing past length is valid)
+            e.length = n
+        for dst, s in zip((*e.keys, *e.values), (*src.keys, *src.values)):
+            dst[:n, r] = s[:n, 0]
+        self.valid[r, :n] = 1
+        self.slots[r] = list(range(n))
+
+    def reset(self) -> None:
+        """Forget every row (after an interrupted run)."""
+        self.valid[:] = 0
+        self.slots = [[] for _ in self.slots]
+        self.e.truncate(0)
+
+    def release(self, r: int) -> None:
+        self.valid[r, self.slots[r]] = 0
+        self.slots[r] = []
+
+    def keep(self, r: int, n: int) -> None:
+        """Row r keeps the first n tokens of its sequence; the slots of the rest are masked from now on."""
+        drop = self.slots[r][n:]
+        if drop:
+            self.valid[r, drop] = 0
+            del self.slots[r][n:]
+
+    def shrink(self) -> None:
+        """Move the shared length back to just past the highest slot any row still uses."""
+        top = max((s[-1] + 1 for s in self.slots if s), default=0)
+        if top < self.e.length:
+            self.e.truncate(top)
+
+    def compact(self) -> None:
+        """Move every row's valid slots to the front (slots are increasing in sequence order)."""
+        e = self.e
+        for r, s in enumerate(self.slots):
+            n = len(s)
+            if n == 0 or s[-1] == n - 1:
+                continue  # already packed
+            idx = np.asarray(s)
+            for buf in (*e.keys, *e.values):
+                buf[:n, r] = buf[idx, r]  # fancy indexing reads a copy first: overlap is safe
+            self.valid[r] = 0
+            self.valid[r, :n] = 1
+            self.slots[r] = list(range(n))
+        e.truncate(max((len(s) for s in self.slots), default=0))
+        self.compactions += 1
+
+    def forward(self, feeds: dict[int, list[int]], last: bool) -> np.ndarray:
+        """Append feeds[r] to row r (rows not in feeds are padded). Returns logits [B, N, W] (a view):
+        last=True: N = 1, each row's last fed token (left padding); else all S positions (right padding)."""
+        if last and any(len(t) > self.max_width for t in feeds.values()):
+            # A draft that fell behind (hybrid rounds without model passes) catches up in chunks.
+            feeds = dict(feeds)
+            while long := {r: t for r, t in feeds.items() if len(t) > self.max_width}:
+                self._call({r: t[: self.max_width] for r, t in long.items()}, True)
+                feeds.update({r: t[self.max_width:] for r, t in long.items()})
+        return self._call(feeds, last)
+
+    def _call(self, feeds: dict[int, list[int]], last: bool) -> np.ndarray:
+        e = self.e
+        S = max(len(t) for t in feeds.values())
+        if S > self.max_width:
+            raise ValueError(f"pass of width {S} > {self.max_width}")
+        if e.length + S > e.max_len:
+            self.compact()
+        P = e.length
+        tokens = np.full((e.batch, S), PAD_ID, np.int64)
+        pos = np.zeros((e.batch, S), np.int64)
+        for r, toks in feeds.items():
+            n = len(toks)
+            off = S - n if last else 0
+            c = len(self.slots[r])
+            tokens[r, off:off + n] = toks
+            pos[r, off:off + n] = np.arange(c, c + n)
+            self.valid[r, P + off:P + off + n] = 1
+            self.slots[r].extend(range(P + off, P + off + n))
+        self.passes += 1
+        lp = np.array([S - 1]) if last else np.arange(S)
+        return e.forward(tokens, lp, pos, self.valid[:, : P + S])
+
+    def close(self) -> None:
+        self.e.close()
+
+
+@dataclass
+class _Row:
+    req: Request
+    stream: Any
+    start: float
+    rng: np.random.Generator
+    stats: Stats
+    seq: list[int]
+    out: list[int] = field(default_factory=list)
+    reason: str = ""
+    # this round
+    want: int = 0
+    d: list[int] = field(default_factory=list)
+    p: list[np.ndarray] | None = None
+    used: str | None = None
+    drafting: bool = False
+    passes: int = 0
+
+    @property
+    def cfg(self) -> GenerationConfig:
+        return self.req.cfg
+
+    @property
+    def uses_draft_cache(self) -> bool:
+        return self.cfg.draft_len > 0 and self.cfg.drafter != "ngram"
+
+
+class BatchDecoder:
+    """Speculative decoding of many requests over a batch of `batch_size` slots.
+
+    Borrows the pair's batch-1 engines for prefills (do not call `pair.generate` while `run` is
+    being iterated) and builds batch engines over the pair's loaded sessions.
+    """
+
+    def __init__(self, pair, batch_size: int, cache_len: int | None = None):
+        if batch_size < 1:
+            raise ConfigError(f"batch size must be >= 1, got {batch_size}")
+        self.pair, self.B = pair, batch_size
+        m = pair.manifest
+        self.vocab, self.eos = m.vocab_size, frozenset(m.eos_token_ids)
+        self.width = m.max_draft_len + 1
+        self.cache_len = cache_len or m.max_len + self.width
+        if self.cache_len < m.max_len + self.width:
+            raise ConfigError(f"cache_len must be >= max_len + max_draft_len + 1 = {m.max_len + self.width}")
+        _check_memory(m, batch_size, self.cache_len)
+        target = batch_engine(pair.dir, pair.target, self.cache_len, self.width, batch_size)
+        self.target = RaggedCache(target, self.width)
+        self._draft = None  # made on first need: a target-only job allocates no draft cache
+        self.totals = BatchTotals(batch_size=batch_size)
+
+    @property
+    def draft(self) -> RaggedCache:
+        if self._draft is None:
+            draft = batch_engine(self.pair.dir, self.pair.draft, self.cache_len, 1, self.B)
+            self._draft = RaggedCache(draft, self.width)
+        return self._draft
+
+    def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
+        """Raise ConfigError for a request this decoder cannot run (see check_request)."""
+        check_request(self.pair.manifest, prompt, cfg)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Any, Any]]:
+        """Yield (key, Result) for each request, in order of completion. Requests are pulled lazily,
+        one whenever a slot is free."""
+        it = iter(requests)
+        rows: list[_Row | None] = [None] * self.B
+        for cache in (self.target, self._draft):
+            if cache is not None:
+                cache.reset()  # rows of a run that was abandoned midway
+        exhausted = False
+        t0, c0 = time.perf_counter(), self._counters()
+        hold = getattr(self.pair, "exclusive", None)  # the pair's batch-1 engines are ours while this runs
+        try:
+            with hold() if hold is not None else contextlib.nullcontext():
+                while True:
+                    for r in range(self.B):
+                        while rows[r] is None and not exhausted:
+                            req = next(it, None)
+                            if req is None:
+                                exhausted = True
+                                break
+                            row = self._start(r, req)
+                            if row.reason:  # done at its first token
+                                yield self._finish(r, row)
+                            else:
+                                rows[r] = row
+                    active = [(r, row) for r, row in enumerate(rows) if row is not None]
+                    if not active:
+                        break
+                    self._round(active)
+                    for r, row in active:
+                        if row.reason:
+                            rows[r] = None
+                            yield self._finish(r, row)
+        finally:
+            c1 = self._counters()
+            self.totals.wall_s += time.perf_counter() - t0
+            self.totals.compactions += c1[0] - c0[0]
+            self.totals.draft_passes += c1[1] - c0[1]
+
+    def _counters(self) -> tuple[int, int]:
+        d = self._draft
+        return self.target.compactions + (d.compactions if d else 0), d.passes if d else 0
+
+    def _pick(self, row: _Row, logits: np.ndarray) -> int:
+        if row.cfg.sampling.greedy:
+            return int(logits.argmax())
+        return sampling.draw(sampling.warp(logits[None], row.cfg.sampling)[0], row.rng.random())
+
+    def _start(self, r: int, req: Request) -> _Row:
+        from specrt.runtime.text import TextStream
+
+        self.check(req.prompt, req.cfg)
+        cfg, prompt = req.cfg, list(req.prompt)
+        k = cfg.draft_len
+        row = _Row(req=req, stream=TextStream(self.pair.codec, cfg.stop), start=time.perf_counter(),
+                   rng=np.random.default_rng(cfg.seed), seq=list(prompt),
+                   stats=Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt)))
+        t1 = self.pair.target
+        t1.truncate(0)
+        x = self._pick(row, t1.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0, : self.vocab])
+        self.target.load_row(r, t1, len(prompt))
+        self.totals.prefills += 1
+        row.stats.target_passes += 1
+        row.stats.ttft_s = time.perf_counter() - row.start
+        if row.uses_draft_cache:
+            d1 = self.pair.draft
+            d1.truncate(0)
+            d1.forward(np.array([prompt]), np.array([len(prompt) - 1]))
+            self.draft.load_row(r, d1, len(prompt))
+            row.stats.draft_passes += 1
+        elif self._draft is not None:
+            self._draft.release(r)
+        self.totals.requests += 1
+        self._emit(row, [x])
+        return row
+
+    def _emit(self, row: _Row, new: list[int]) -> None:
+        """decode.decode's stop checks: never past EOS or max_new_tokens; stop strings end it too."""
+        reason = ""
+        for i, t in enumerate(new):
+            if t in self.eos:
+                new, reason = new[:i], "eos"
+                break
+        new = new[: row.cfg.max_new_tokens - len(row.out)]
+        row.out += new
+        row.seq += new
+        if new:
+            row.stream.feed(new)
+            if row.stream.stopped:
+                reason = "stop"
+        if reason or len(row.out) >= row.cfg.max_new_tokens:
+            row.reason = reason or "length"
+
+    def _finish(self, r: int, row: _Row):
+        from specrt.runtime.pair import Result
+
+        self.target.release(r)
+        self.target.shrink()
+        if self._draft is not None:
+            self._draft.release(r)
+            self._draft.shrink()
+        row.stream.finish()
+        tokens = row.out
+        if row.stream.stopped:
+            tokens = tokens[: row.stream.n_tokens]  # tokens accepted past the stop string are not output
+        st = row.stats
+        st.new_tokens = len(tokens)
+        st.wall_s = time.perf_counter() - row.start
+        self.totals.new_tokens += len(tokens)
+        stats = st.as_dict()
+        stats["batch_size"] = self.B
+        return row.req.key, Result(tokens=tokens, text=row.stream.text, finish_reason=row.reason, stats=stats)
+
+    def _round(self, active: list[tuple[int, _Row]]) -> None:
+        # 1. Plan each row's draft: its own k, limited by the tokens it has left (as decode does).
+        model_rows = []
+        for r, row in active:
+            cfg, st = row.cfg, row.stats
+            st.rounds += 1
+            row.want = min(cfg.draft_len, cfg.max_new_tokens - len(row.out) - 1)
+            row.d, row.p, row.used, row.passes, row.drafting = [], None, None, 0, False
+            if not row.want:
+                continue
+            if cfg.drafter in ("ngram", "hybrid"):
+                d = NgramDrafter(cfg.ngram_max).lookup(row.seq, row.want)
+                if cfg.drafter == "ngram" or len(d) >= min(2, row.want):  # HybridDrafter's min_len 2
+                    row.d, row.used = [int(t) for t in d], "ngram"
+                    continue
+            row.used, row.drafting = "model", True
+            row.p = None if cfg.sampling.greedy else []
+            model_rows.append((r, row))
+
+        # 2. Draft: one batched draft pass per drafted position; rows that are done drafting are padded.
+        step = 0
+        while drafting := [(r, row) for r, row in model_rows if row.drafting]:
+            draft = self.draft
+            feeds = {r: (row.seq[draft.count(r):] if step == 0 else [row.d[-1]]) for r, row in drafting}
+            logits = draft.forward(feeds, last=True)
+            for r, row in drafting:
+                lg = logits[r, 0, : self.vocab]
+                cfg = row.cfg
+                if cfg.sampling.greedy:
+                    t = int(lg.argmax())
+                    top = 1.0 / np.exp(lg - lg[t]).sum() if cfg.confidence_stop else 1.0
+                else:
+                    p = sampling.warp(lg[None], cfg.sampling)[0]
+                    t = sampling.draw(p, row.rng.random())
+                    top = p.max()
+                    row.p.append(p)
+                row.d.append(t)
+                row.passes += 1
+                if top < cfg.confidence_stop or len(row.d) == row.want:
+                    row.drafting = False
+            step += 1
+        for r, row in active:
+            st = row.stats
+            if row.want:
+                st.draft_passes += row.passes
+                st.rounds_by_drafter[row.used] = st.rounds_by_drafter.get(row.used, 0) + 1
+            st.draft_len_hist[len(row.d)] = st.draft_len_hist.get(len(row.d), 0) + 1
+
+        # 3. Verify every row's last token and drafts in one batched target pass.
+        logits = self.target.forward({r: [row.seq[-1], *row.d] for r, row in active}, last=False)
+        self.totals.target_passes += 1
+        self.totals.row_rounds += len(active)
+
+        # 4. Accept per row, commit per row, emit.
+        for r, row in active:
+            cfg, st, kn = row.cfg, row.stats, len(row.d)
+            lg = logits[r, : kn + 1, : self.vocab]
+            d = np.array(row.d, np.int64)
+            if cfg.sampling.greedy:
+                n, t = sampling.accept_greedy(d, lg)
+            else:
+                p_draft = np.stack(row.p) if row.p else None
+                n, t = sampling.accept_sample(d, p_draft, sampling.warp(lg, cfg.sampling), row.rng.random(kn + 1))
+            st.target_passes += 1
+            self.target.keep(r, len(row.seq) + n)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
+            if row.uses_draft_cache:
+                self.draft.keep(r, min(self.draft.count(r), len(row.seq) + n))
+            st.proposed += kn
+            st.accepted += n
+            for i in range(kn):
+                st.proposed_at[i] += 1
+                st.accepted_at[i] += i < n
+            self.totals.proposed += kn
+            self.totals.accepted += n
+            self._emit(row, row.d[:n] + [t])
+        self.target.shrink()
+        if self._draft is not None:
+            self._draft.shrink()
+
+    def close(self) -> None:
+        self.target.close()
+        if self._draft is not None:
+            self._draft.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
+    """Raise ConfigError for a request a batch cannot run: the checks of a lone run (Pair.run), plus a
+    fixed draft_len. `m` is the pair's Manifest."""
+    k = cfg.draft_len
+    if k == "auto":
+        raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
+    if k > m.max_draft_len:
+        raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
+                          "(set at export with --max-draft-len)")
+    if k and cfg.drafter != "ngram" and m.draft is None:
+        raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
+                          "use drafter 'ngram' or draft_len 0")
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if len(prompt) >= m.max_len:
+        raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
+    if len(prompt) + cfg.max_new_tokens + k + 1 > m.max_len:
+        room = m.max_len - len(prompt) - k - 1
+        fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
+                          f"exceeds max_len {m.max_len}; {fix}")
+
+
+def default_draft_len(m, tuned: dict | None = None) -> int:
+    """The draft length a batch uses unless told: the tuned one if it is a number, else min(4, max_draft_len).
+    `m` is the pair's Manifest, `tuned` the settings `specrt tune` stored (Pair.tuned)."""
+    k = (tuned or {}).get("draft_len")
+    if isinstance(k, int) and not isinstance(k, bool):
+        return min(k, m.max_draft_len)
+    return min(4, m.max_draft_len)
+
+
+def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, draft_len: int | None = None,
+                   stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
+                   confidence_stop: float | None = None, totals: dict | None = None) -> list:
+    """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
+
+    `seed` is one seed for every prompt (each then gets what `pair.generate(prompt, seed=seed)` gets)
+    or a list with one per prompt. `totals`, if given, receives the batch totals (BatchTotals.as_dict).
+    """
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    k = default_draft_len(pair.manifest, pair.tuned) if draft_len is None else draft_len
+    sampling_cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    reqs = []
+    with BatchDecoder(pair, batch_size) as dec:
+        for i, (p, s) in enumerate(zip(prompts, seeds)):
+            cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=k, seed=s, stop=tuple(stop), drafter=drafter,
+                              confidence_stop=confidence_stop, sampling=sampling_cfg)
+            ids = pair.encode(p, chat)
+            dec.check(ids, cfg)
+            reqs.append(Request(i, ids, cfg))
+        out = dict(dec.run(reqs))
+        if totals is not None:
+            totals.update(dec.totals.as_dict())
+    return [out[i] for i in range(len(prompts))]

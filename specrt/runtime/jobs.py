@@ -1,0 +1,605 @@
+"""Offline batch jobs: a JSONL file of prompts in, a JSONL file of results out, resumable.
+
+Input, one JSON object a line:
+    {"id": str | int, "prompt": str | [token ids] | "messages": [{"role", "content"}, ...],
+     optional "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop": str | [str]}
+Other keys are ignored. Output, one line per input record, in order of completion:
+    {"id", "text", "tokens", "finish_reason", "stats"}   or   {"id", "error"}
+A line that is not a JSON object, or has no usable "id", gets the error record id "line:N". Duplicate
+ids stop the job before anything runs.
+
+Guarantees of the output file:
+- every record is one `os.write` of the whole line (newline included) on an O_APPEND descriptor,
+  fsync'ed every few records, every second and at the end;
+- a rerun with the same output skips the ids already in it; a torn last line (a kill mid-write, or
+  the zero-filled tail of a crash) is cut off first;
+- `OUTPUT.job.json` records the job's identity (sha256 of the input file, the pair's graphs and
+  tokenizer, the settings that change results): an output of another job is refused unless
+  `overwrite`. The batch size is not part of it: results do not depend on it.
+
+A record without its own "seed" samples with a seed derived from the job's seed and its id, so two
+records with the same prompt are independent samples, and a record's result depends neither on the
+order of the input nor on the batch it ran in.
+
+`--ray`: the driver reads, validates and writes exactly as above; Ray actors each load the pair once
+(from PAIR_DIR, which must exist at that path on every node) and decode shards of records.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from specrt.config import GenerationConfig, SamplingConfig, read_manifest, sha256_file
+from specrt.errors import ConfigError, SpecrtError
+
+JOB_FORMAT = "specrt-batch-job"
+JOB_VERSION = 1
+SIDECAR_SUFFIX = ".job.json"
+AUTO_SIZES = (1, 2, 4, 8)
+FSYNC_EVERY = 16  # records
+FSYNC_SECONDS = 1.0
+
+
+class JobError(SpecrtError):
+    """A batch job cannot start or go on (its output file, its input, or the Ray cluster)."""
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop.
+    None means the pair's default (what `specrt tune` stored, else see batch.default_draft_len)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    draft_len: int | None = None
+    drafter: str | None = None
+    confidence_stop: float | None = None
+    chat: bool = False
+
+
+@dataclass
+class Record:
+    line: int
+    id: Any  # as given (str or int); "line:N" when the line has no usable id
+    key: str  # json.dumps(id): identity across runs
+    prompt: list[int] | None = None
+    cfg: GenerationConfig | None = None
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- input
+
+
+def resolve_settings(m, s: JobSettings) -> JobSettings:
+    """Fill the pair's defaults in, so that the job identity names what actually runs."""
+    from specrt.runtime.batch import default_draft_len
+
+    tuned = m.tuned or {}
+    if tuned and tuned.get("graphs") != m.graph_hashes():
+        tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
+    drafter = s.drafter or tuned.get("drafter") or ("model" if m.draft is not None else "ngram")
+    k = default_draft_len(m, tuned) if s.draft_len is None else s.draft_len
+    cs = tuned.get("confidence_stop", 0.0) if s.confidence_stop is None else s.confidence_stop
+    out = replace(s, drafter=drafter, draft_len=k, confidence_stop=cs)
+    # Checks of the job-wide settings: a ConfigError before anything runs.
+    _config(out, {}, 0)
+    if k > m.max_draft_len:
+        raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
+                          "(set at export with --max-draft-len)")
+    if k and drafter != "ngram" and m.draft is None:
+        raise ConfigError(f"this pair has no draft model, which drafter {drafter!r} needs; "
+                          "use drafter 'ngram' or draft_len 0")
+    return out
+
+
+def record_seed(seed: int, key: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") >> 1
+
+
+def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
+    def num(name, kind):
+        v = rec.get(name, getattr(s, name))
+        if isinstance(v, bool) or not isinstance(v, kind):
+            raise ValueError(f'"{name}" must be {"an integer" if kind is int else "a number"}, got {v!r}')
+        return v
+
+    stop = rec.get("stop", ())
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
+        raise ValueError('"stop" must be a string or a list of strings')
+    seed = num("seed", int) if "seed" in rec else seed
+    sampling = SamplingConfig(temperature=float(num("temperature", (int, float))), top_k=num("top_k", int),
+                              top_p=float(num("top_p", (int, float))))
+    return GenerationConfig(max_new_tokens=num("max_new_tokens", int), draft_len=s.draft_len, sampling=sampling,
+                            seed=seed, stop=tuple(stop), drafter=s.drafter, confidence_stop=s.confidence_stop)
+
+
+def _encode(codec, m, rec: dict, chat: bool) -> list[int]:
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(x, dict) for x in msgs):
+            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+        return codec.encode(codec.apply_chat_template(msgs))
+    p = rec.get("prompt")
+    if isinstance(p, str):
+        if chat:
+            p = codec.apply_chat_template([{"role": "user", "content": p}])
+        return codec.encode(p)
+    if isinstance(p, list):
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < m.vocab_size for i in p):
+            raise ValueError(f'a "prompt" list must hold token ids in 0..{m.vocab_size - 1}')
+        return list(p)
+    raise ValueError('needs "prompt" (a string or a list of token ids) or "messages"')
+
+
+def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], str]:
+    """Parse and validate every line. Returns (records, sha256 of the file). Bad records become
+    records with an error; duplicate ids, an unreadable or empty file raise JobError."""
+    from specrt.runtime.batch import check_request
+
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise JobError(f"cannot read input {path}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise JobError(f"input {path} is not UTF-8 (byte {e.start})") from None
+    records, seen = [], {}
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: not JSON ({e.msg})"))
+            continue
+        rid = rec.get("id") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            why = "not a JSON object" if not isinstance(rec, dict) else (
+                'no "id"' if rid is None else f'"id" must be a string or an integer, got {rid!r}')
+            records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: {why}"))
+            continue
+        r = Record(n, rid, json.dumps(rid, ensure_ascii=False))
+        try:
+            r.prompt = _encode(codec, m, rec, s.chat)
+            r.cfg = _config(s, rec, record_seed(s.seed, r.key))
+            check_request(m, r.prompt, r.cfg)
+        except (ValueError, TypeError, SpecrtError) as e:
+            r.prompt = r.cfg = None
+            r.error = f"line {n}: {e}"
+        records.append(r)
+    for r in records:
+        if r.key in seen:
+            raise JobError(f"{path}: duplicate id {r.id!r} on lines {seen[r.key]} and {r.line}; ids must be unique")
+        seen[r.key] = r.line
+    if not records:
+        raise JobError(f"input {path} holds no records")
+    return records, hashlib.sha256(raw).hexdigest()
+
+
+def job_identity(pair_dir: Path, m, input_sha256: str, s: JobSettings) -> dict:
+    tok = {f: sha256_file(Path(pair_dir) / f) for f in m.tokenizer_files if (Path(pair_dir) / f).is_file()}
+    return {"format": JOB_FORMAT, "version": JOB_VERSION, "input_sha256": input_sha256,
+            "pair_graphs": m.graph_hashes(), "tokenizer": tok, "settings": asdict(s)}
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+class JobOutput:
+    """The output file: atomic appends, resume after a kill, and the job-identity sidecar."""
+
+    def __init__(self, path: Path, identity: dict, overwrite: bool = False):
+        self.path = Path(path)
+        self.sidecar = Path(str(path) + SIDECAR_SUFFIX)
+        self.done: set[str] = set()
+        self.written = 0
+        self.truncated = 0  # bytes of torn tail cut off at open
+        self._fd = None
+        self._unsynced, self._synced_at = 0, time.monotonic()
+        if self.path.is_dir():
+            raise JobError(f"output {self.path} is a folder")
+        has_output = self.path.is_file() and self.path.stat().st_size > 0
+        if has_output and not overwrite:
+            self._check_identity(identity)
+        else:
+            # Old output first, then the new identity: a kill in between never pairs old lines with it.
+            if has_output:
+                try:
+                    self.path.unlink()
+                except OSError as e:
+                    raise JobError(f"cannot remove {self.path}: {e.strerror}") from None
+            self._write_sidecar(identity)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise JobError(f"cannot open output {self.path}: {e.strerror}") from None
+        self._recover()
+
+    def _check_identity(self, identity: dict) -> None:
+        hint = "use --overwrite to replace it, or another --output"
+        try:
+            theirs = json.loads(self.sidecar.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise JobError(f"{self.path} exists and was not written by a specrt batch job (no {self.sidecar.name}); "
+                           f"{hint}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise JobError(f"cannot read {self.sidecar}: {e}; {hint}") from None
+        if theirs != identity:
+            diff = [k for k in ("format", "version", "input_sha256", "pair_graphs", "tokenizer")
+                    if not isinstance(theirs, dict) or theirs.get(k) != identity[k]]
+            old = theirs.get("settings") if isinstance(theirs, dict) else None
+            old = old if isinstance(old, dict) else {}
+            diff += [f"{k} ({old.get(k)!r} -> {v!r})" for k, v in identity["settings"].items() if old.get(k) != v]
+            names = {"input_sha256": "input file", "pair_graphs": "pair graphs"}
+            what = ", ".join(names.get(d, d) for d in diff) or "identity"
+            raise JobError(f"{self.path} belongs to another job ({what} differ); {hint}")
+
+    def _write_sidecar(self, identity: dict) -> None:
+        tmp = self.sidecar.with_name(self.sidecar.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(json.dumps(identity, indent=2))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.sidecar)
+            _fsync_dir(self.sidecar.parent)
+        except OSError as e:
+            raise JobError(f"cannot write {self.sidecar}: {e.strerror}") from None
+
+    def _recover(self) -> None:
+        """Read the ids already written; cut off a torn tail (only trailing damage is repaired)."""
+        data = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
+        good_end, bad_at = 0, None
+        pos = 0
+        while pos < len(data):
+            nl = data.find(b"\n", pos)
+            end = len(data) if nl < 0 else nl + 1
+            rec = _parse_line(data[pos:end]) if nl >= 0 else None
+            if rec is None:
+                bad_at = pos if bad_at is None else bad_at
+            elif bad_at is not None:
+                line_no = data.count(b"\n", 0, bad_at) + 1
+                raise JobError(f"{self.path} is corrupt at line {line_no} (a damaged line followed by good ones); "
+                               "repair or remove it, or use --overwrite")
+            else:
+                self.done.add(json.dumps(rec["id"], ensure_ascii=False))
+                good_end = end
+            pos = end
+        if good_end < len(data):
+            self.truncated = len(data) - good_end
+            os.ftruncate(self._fd, good_end)
+            os.fsync(self._fd)
+
+    def write(self, rec: dict) -> None:
+        line = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(line)
+        while view:  # a regular file takes it in one write; loop only on a short write (disk full...)
+            n = os.write(self._fd, view)
+            view = view[n:]
+        self.done.add(json.dumps(rec["id"], ensure_ascii=False))
+        self.written += 1
+        self._unsynced += 1
+        if self._unsynced >= FSYNC_EVERY or time.monotonic() - self._synced_at >= FSYNC_SECONDS:
+            self.sync()
+
+    def sync(self) -> None:
+        if self._fd is not None and self._unsynced:
+            os.fsync(self._fd)
+        self._unsynced, self._synced_at = 0, time.monotonic()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
+
+
+def _parse_line(b: bytes) -> dict | None:
+    try:
+        rec = json.loads(b.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(rec, dict) or "id" not in rec or not ({"text", "tokens"} <= rec.keys() or "error" in rec):
+        return None
+    return rec
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def result_record(rid, res) -> dict:
+    return {"id": rid, "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason, "stats": res.stats}
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+class Runner:
+    """Decodes requests on one loaded pair with a fixed batch size, or "auto": the first records run at
+    each of AUTO_SIZES in turn (their results are kept), and the fastest aggregate tokens/s wins."""
+
+    def __init__(self, pair, batch_size: int | str, log=None):
+        self.pair, self.log = pair, log or (lambda s: None)
+        self.chosen = None if batch_size == "auto" else int(batch_size)
+        self.measured: dict[int, float] = {}
+        self._dec = None
+
+    def results(self, requests):
+        from specrt.runtime.batch import BatchDecoder
+
+        reqs, i = list(requests), 0
+        if self.chosen is None:
+            for b in AUTO_SIZES:
+                n = max(2 * b, 4)
+                if len(reqs) - i < n:
+                    break
+                tokens, t0 = 0, time.perf_counter()
+                try:
+                    dec = BatchDecoder(self.pair, b)
+                except ConfigError as e:  # its KV caches do not fit: neither will larger batches
+                    self.log(f"batch size auto: {b} skipped ({e})")
+                    break
+                with dec:
+                    for key, res in dec.run(reqs[i:i + n]):
+                        tokens += len(res.tokens)
+                        yield key, res
+                self.measured[b] = tokens / (time.perf_counter() - t0)
+                i += n
+            if self.measured:
+                self.chosen = max(self.measured, key=self.measured.get)
+                self.log("batch size auto: " + ", ".join(f"{b}: {v:.1f} tok/s" for b, v in self.measured.items())
+                         + f" -> {self.chosen}")
+            else:
+                self.chosen = max(1, min(4, len(reqs)))
+                self.log(f"batch size auto: too few records to measure, using {self.chosen}")
+        if i < len(reqs):
+            if self._dec is None or self._dec.B != self.chosen:
+                self.close()
+                self._dec = BatchDecoder(self.pair, self.chosen)
+            yield from self._dec.run(reqs[i:])
+
+    def close(self) -> None:
+        if self._dec is not None:
+            self._dec.close()
+            self._dec = None
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.tokens = self.proposed = self.accepted = self.records = 0
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="rec", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                            desc="batch")
+
+    def update(self, res) -> None:
+        self.records += 1
+        if res is not None:
+            s = res.stats
+            self.tokens += s["new_tokens"]
+            self.proposed += s["proposed"]
+            self.accepted += s["accepted"]
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.bar.n == self.bar.total or self.records % 8 == 0:
+                self.bar.set_postfix_str(f"{self.rate:.1f} tok/s, acceptance {self.acceptance:.0%}", refresh=False)
+
+    @property
+    def rate(self) -> float:
+        dt = time.perf_counter() - self.t0
+        return self.tokens / dt if dt > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _log(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)  # above a running progress bar, not through it
+
+
+def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettings(), batch_size: int | str = "auto",
+            overwrite: bool = False, ray_address: str | None = None, ray_actors: int | None = None,
+            ray_cpus_per_actor: int = 1, ray_init: dict | None = None, progress: bool = True, log=None,
+            threads: int | None = None) -> dict:
+    """Run (or resume) a batch job. Returns a summary dict. See the module docstring."""
+    from specrt.runtime.text import TextCodec
+
+    log = log or _log
+    if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ConfigError(f"batch size must be an integer >= 1 or 'auto', got {batch_size!r}")
+    if ray_cpus_per_actor < 1:
+        raise ConfigError(f"--ray-cpus-per-actor must be >= 1, got {ray_cpus_per_actor}")
+    if ray_actors is not None and ray_actors < 1:
+        raise ConfigError(f"--ray-actors must be >= 1, got {ray_actors}")
+    pair_dir = Path(pair_dir)
+    m = read_manifest(pair_dir)
+    s = resolve_settings(m, settings)
+    codec = TextCodec(pair_dir)
+    records, digest = read_records(Path(input_path), codec, m, s)
+    out = JobOutput(Path(output_path), job_identity(pair_dir, m, digest, s), overwrite)
+    summary = {"records": len(records), "skipped": 0, "errors": 0, "written": 0, "new_tokens": 0, "wall_s": 0.0,
+               "batch_size": batch_size, "output": str(output_path)}
+    bar = pair = ray = None
+    own_ray = False
+    try:
+        if out.truncated:
+            log(f"{output_path}: cut off a torn last line ({out.truncated} bytes); its record runs again")
+        todo = [r for r in records if r.key not in out.done]
+        summary["skipped"] = len(records) - len(todo)
+        pending = [r for r in todo if r.error is None]
+        # Load the pair or reach Ray before writing anything: a bad pair or address leaves the output as it was.
+        if pending and ray_address is None:
+            from specrt.runtime.pair import load
+
+            pair = load(pair_dir, threads=threads)
+        elif pending:
+            ray, own_ray = _ray_start(ray_address, ray_init)
+        for r in todo:
+            if r.error is not None:
+                out.write({"id": r.id, "error": r.error})
+                summary["errors"] += 1
+        if summary["skipped"]:
+            log(f"resuming: {summary['skipped']} of {len(records)} records already in {output_path}")
+        bar = _Progress(len(pending), progress and bool(pending))
+        t0 = time.perf_counter()
+        if pair is not None:
+            from specrt.runtime.batch import Request
+
+            ids = {r.key: r.id for r in pending}
+            runner = Runner(pair, batch_size, log)
+            try:
+                for key, res in runner.results(Request(r.key, r.prompt, r.cfg) for r in pending):
+                    out.write(result_record(ids[key], res))
+                    bar.update(res)
+            finally:
+                runner.close()
+            summary["batch_size"] = runner.chosen
+        elif ray is not None:
+            summary["batch_size"] = _run_ray(ray, pair_dir, pending, batch_size, out, bar, ray_actors,
+                                             ray_cpus_per_actor, log)
+        else:
+            log(f"nothing to run: all {len(records)} records are in {output_path}")
+        summary["wall_s"] = time.perf_counter() - t0
+    finally:
+        if bar is not None:
+            bar.close()
+        out.close()
+        if pair is not None:
+            pair.close()
+        if ray is not None and own_ray:
+            ray.shutdown()
+    summary["written"] = out.written
+    summary["new_tokens"] = bar.tokens
+    summary["tokens_per_s"] = bar.tokens / summary["wall_s"] if summary["wall_s"] else 0.0
+    summary["acceptance_rate"] = bar.acceptance
+    log(f"wrote {out.written} records to {output_path} ({summary['errors']} errors, {summary['skipped']} already "
+        f"there): {bar.tokens} tokens, {summary['tokens_per_s']:.1f} tok/s, acceptance {bar.acceptance:.0%}, "
+        f"batch size {summary['batch_size']}")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+
+
+class RayWorker:
+    """A Ray actor (wrapped by ray.remote at run time): loads the pair once, decodes shards."""
+
+    def __init__(self, pair_dir: str, batch_size, threads: int):
+        import specrt
+
+        self.pair = specrt.load(pair_dir, threads=threads)
+        self.runner = Runner(self.pair, batch_size)
+
+    def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:
+        from specrt.runtime.batch import Request
+
+        done = list(self.runner.results(Request(k, p, c) for k, p, c in shard))
+        return done, self.runner.chosen
+
+
+def _ray_start(address: str, init: dict | None):
+    """Import Ray and start a local instance ("local") or join a cluster. Returns (the ray module,
+    whether this job connected it and so shuts it down at the end). A process already connected to
+    Ray (a notebook, a test) keeps its connection: the job runs there and leaves it on."""
+    import logging
+    import socket
+
+    try:
+        import ray
+    except ImportError:
+        raise JobError("--ray needs Ray: pip install 'ray[default]' (or specrt[ray])") from None
+    if address not in ("local", "auto"):  # ray.init retries an unreachable address for minutes: probe it first
+        hostport = address.split("://", 1)[-1].rsplit("/", 1)[0]
+        host, _, port = hostport.rpartition(":")
+        if not host or not port.isdigit():
+            raise JobError(f"bad Ray address {address!r}: expected HOST:PORT, ray://HOST:PORT, auto or local")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except OSError as e:
+            raise JobError(f"cannot reach the Ray cluster at {address}: {e.strerror or e}") from None
+    if ray.is_initialized():
+        return ray, False
+    kw = {"address": address, "include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
+    if address == "local":
+        kw.update(object_store_memory=256 * 1024 * 1024, num_cpus=os.cpu_count())
+    kw.update(init or {})
+    try:
+        ray.init(**kw)
+    except Exception as e:  # ray raises ConnectionError, RuntimeError, ValueError... with long texts
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JobError(f"cannot start or join Ray at {address}: {msg}") from None
+    return ray, True
+
+
+def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOutput, bar: _Progress,
+             actors: int | None, cpus_per_actor: int, log) -> int | str:
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    n = actors or max(1, cpus // cpus_per_actor)
+    size = 32 if batch_size == "auto" else max(8, 4 * int(batch_size))
+    size = max(1, min(size, math.ceil(len(pending) / n)))
+    shards = [pending[i:i + size] for i in range(0, len(pending), size)]
+    log(f"ray: {n} actors x {cpus_per_actor} CPU, {len(shards)} shards of <= {size} records")
+    Worker = ray.remote(num_cpus=cpus_per_actor)(RayWorker)
+    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor) for _ in range(n)]
+    ids = {r.key: r.id for r in pending}
+    queue = list(reversed(shards))
+    inflight = {}
+    chosen = set()
+
+    def submit(w):
+        if queue:
+            shard = queue.pop()
+            inflight[w.run.remote([(r.key, r.prompt, r.cfg) for r in shard])] = w
+
+    for w in workers:  # two shards per actor in flight: no idle gap between shards
+        submit(w)
+        submit(w)
+    while inflight:
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        w = inflight.pop(ready[0])
+        try:
+            done, b = ray.get(ready[0])
+        except Exception as e:
+            msg = str(e).strip().splitlines()
+            raise JobError(f"a Ray actor failed: {msg[-1] if msg else type(e).__name__}; "
+                           "the records written so far are kept, rerun to resume") from None
+        chosen.add(b)
+        for key, res in done:
+            out.write(result_record(ids[key], res))
+            bar.update(res)
+        submit(w)
+    return ",".join(str(b) for b in sorted(chosen)) if len(chosen) > 1 else next(iter(chosen))

@@ -1,0 +1,247 @@
+"""Batched speculative decoding (runtime/batch.py): every request gets exactly what it gets alone.
+
+Greedy: token for token. Sampling: each row draws from its own generator in the order a lone run
+would, so seeded batch results equal seeded lone results draw for draw (which also proves the
+distribution: it is the lone run's, whose losslessness test_decode.py checks statistically).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from specrt.config import GenerationConfig, SamplingConfig
+from specrt.errors import ConfigError
+from specrt.runtime.batch import BatchDecoder, RaggedCache, Request, batch_engine, check_request, generate_batch
+
+TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
+ID_PROMPTS = [[5], [40, 41, 42, 43], list(range(3, 60))]
+PROMPTS = TEXT_PROMPTS + ID_PROMPTS  # 7 prompts: more than any batch size here, so slots are refilled
+MAX_NEW = [40, 12, 33, 1, 25, 40, 7]  # rows finish at different rounds
+COUNTS = ("target_passes", "draft_passes", "rounds", "proposed", "accepted", "new_tokens", "draft_len_hist",
+          "rounds_by_drafter", "accepted_per_position", "proposed_per_position")
+
+
+def _same(batch, alone, what=""):
+    assert batch.tokens == alone.tokens, f"{what}: diverges at {_first_diff(batch.tokens, alone.tokens)}"
+    assert batch.text == alone.text and batch.finish_reason == alone.finish_reason, what
+    for k in COUNTS:
+        assert batch.stats[k] == alone.stats[k], f"{what}: stats[{k!r}] {batch.stats[k]} != {alone.stats[k]}"
+
+
+def _first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _requests(pair, k, sampling=SamplingConfig(), seeds=None, max_new=MAX_NEW, prompts=PROMPTS):
+    seeds = seeds or [0] * len(prompts)
+    return [Request(i, pair.encode(p), GenerationConfig(max_new_tokens=n, draft_len=k, sampling=sampling, seed=s))
+            for i, (p, n, s) in enumerate(zip(prompts, max_new, seeds))]
+
+
+def _run_batch(pair, reqs, B, totals=None):
+    with BatchDecoder(pair, B) as dec:
+        out = dict(dec.run(reqs))
+        if totals is not None:
+            totals.update(dec.totals.as_dict())
+    assert sorted(out) == sorted(r.key for r in reqs)
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+@pytest.mark.parametrize("k", [0, 2, 4])
+def test_greedy_batch_equals_alone(pairs, model_type, k):
+    pair = pairs[model_type]
+    reqs = _requests(pair, k)
+    alone = [pair.run(r.prompt, r.cfg) for r in reqs]
+    for B in (1, 2, 3):
+        tot = {}
+        got = _run_batch(pair, reqs, B, tot)
+        for r, a in zip(reqs, alone):
+            _same(got[r.key], a, f"{model_type} k={k} B={B} prompt {r.key}")
+        assert tot["requests"] == len(reqs) and tot["new_tokens"] == sum(len(a.tokens) for a in alone)
+        assert tot["prefills"] == len(reqs)
+        if B > 1:
+            assert tot["target_passes"] < sum(a.stats["target_passes"] - 1 for a in alone)  # passes are shared
+        if k:
+            assert 0 < tot["acceptance_rate"] < 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9), (2.0, 0, 1.0)])
+@pytest.mark.parametrize("k", [0, 2, 3])
+def test_seeded_sampling_batch_equals_alone(stat_pair, qwen_pair, temperature, top_k, top_p, k):
+    """Same draws in the same order per row: seeded batch results are the seeded lone results."""
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    words = ["alpha beta", "gamma", "delta eps zeta eta", "theta theta", "beta", "eta alpha gamma", "zeta"]
+    for pair, prompts in ((stat_pair, words), (qwen_pair, PROMPTS)):
+        max_new = [min(n, pair.manifest.max_len - 10) for n in MAX_NEW]
+        reqs = _requests(pair, k, sampling, seeds=[11 * i + 1 for i in range(len(prompts))], max_new=max_new,
+                         prompts=prompts)
+        alone = [pair.run(r.prompt, r.cfg) for r in reqs]
+        for B in (2, 3):
+            got = _run_batch(pair, reqs, B)
+            for r, a in zip(reqs, alone):
+                _same(got[r.key], a, f"T={temperature} k={k} B={B} prompt {r.key}")
+
+
+def test_int4_accuracy_level_0_batch_equals_alone(int4_pair):
+    """int4 weights with fp32 activations: batch and lone passes agree as in fp32. (At accuracy level 4,
+    int8 activations, kernels round differently per batch shape: outputs may part at a near-tie.)"""
+    for sampling in (SamplingConfig(), SamplingConfig(0.9, 20, 0.95)):
+        reqs = _requests(int4_pair, 3, sampling, seeds=list(range(len(PROMPTS))))
+        alone = [int4_pair.run(r.prompt, r.cfg) for r in reqs]
+        got = _run_batch(int4_pair, reqs, 3)
+        for r, a in zip(reqs, alone):
+            _same(got[r.key], a, f"{sampling} prompt {r.key}")
+
+
+def test_many_seeds_and_eos(stat_pair):
+    """The 11-word pair ends with EOS often: rows stop on their own, at every point of a round."""
+    pair = stat_pair
+    prompt = pair.encode("alpha beta")
+    reqs = [Request(s, prompt, GenerationConfig(max_new_tokens=12, draft_len=3, seed=s,
+                                                sampling=SamplingConfig(1.0))) for s in range(60)]
+    alone = {r.key: pair.run(r.prompt, r.cfg) for r in reqs}
+    got = _run_batch(pair, reqs, 4)
+    reasons = {a.finish_reason for a in alone.values()}
+    assert reasons == {"eos", "length"}
+    for key, a in alone.items():
+        _same(got[key], a, f"seed {key}")
+
+
+def test_mixed_requests_in_one_batch(pairs):
+    """Per-request settings differ inside one batch: greedy and sampling, k 0..8, model/ngram/hybrid
+    drafters, confidence stop, stop strings, max_new_tokens 1; long generations force compactions."""
+    rng = np.random.default_rng(7)
+    for pair in pairs.values():
+        m = pair.manifest
+        reqs = []
+        for i in range(16):
+            L = int(rng.integers(1, 100))
+            prompt = [int(t) for t in rng.integers(3, m.vocab_size, L)]
+            if i % 4 == 0:  # repetitive: the n-gram drafter finds matches, hybrid skips the model for rounds
+                prompt = (prompt[:6] * 12)[:L]
+            k = int(rng.choice([0, 1, 2, 4, 8]))
+            cfg = GenerationConfig(
+                max_new_tokens=1 if i == 5 else int(rng.integers(2, m.max_len - L - k - 1)), draft_len=k, seed=i,
+                drafter=str(rng.choice(["model", "ngram", "hybrid"])), confidence_stop=float(rng.choice([0.0, 0.3])),
+                sampling=SamplingConfig(*[(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 0.9)][i % 3]))
+            reqs.append(Request(i, prompt, cfg))
+        alone = {r.key: pair.run(r.prompt, r.cfg) for r in reqs}
+        for j, r in enumerate(reqs):  # every third request stops at a string from the middle of its text
+            text = alone[r.key].text
+            stop = text[len(text) // 2: len(text) // 2 + 2]
+            if j % 3 == 0 and len(text) > 10 and "\ufffd" not in stop:
+                reqs[j] = dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, stop=(stop,)))
+                alone[r.key] = pair.run(r.prompt, reqs[j].cfg)
+        assert {a.finish_reason for a in alone.values()} >= {"stop", "length"}
+        for B in (3, 8):
+            tot = {}
+            got = _run_batch(pair, reqs, B, tot)
+            for r in reqs:
+                _same(got[r.key], alone[r.key], f"B={B} request {r.key} {r.cfg}")
+            assert tot["compactions"] > 0
+
+
+def test_fewer_requests_than_slots_and_reuse(qwen_pair):
+    """Idle slots ride along; one decoder runs several batches; the pair's own generate still works."""
+    pair = qwen_pair
+    reqs = _requests(pair, 3)[:2]
+    alone = [pair.run(r.prompt, r.cfg) for r in reqs]
+    with BatchDecoder(pair, 5) as dec:
+        for _ in range(2):
+            got = dict(dec.run(reqs))
+            for r, a in zip(reqs, alone):
+                _same(got[r.key], a)
+        assert list(dec.run([])) == []
+    for r, a in zip(reqs, alone):
+        _same(pair.run(r.prompt, r.cfg), a)
+
+
+def test_generate_batch_api(qwen_pair):
+    pair = qwen_pair
+    tot = {}
+    res = generate_batch(pair, PROMPTS[:5], batch_size=2, max_new_tokens=16, draft_len=2, temperature=0.9,
+                         seed=[1, 2, 3, 4, 5], stop=["\n\n"], totals=tot)
+    for i, p in enumerate(PROMPTS[:5]):
+        _same(res[i], pair.generate(p, max_new_tokens=16, draft_len=2, temperature=0.9, seed=i + 1, stop=["\n\n"]))
+        assert res[i].stats["batch_size"] == 2
+    assert tot["batch_size"] == 2 and tot["tokens_per_s"] > 0
+    chat = generate_batch(pair, ["hello there"], batch_size=1, max_new_tokens=8, chat=True, draft_len=0)[0]
+    assert chat.tokens == pair.generate("hello there", chat=True, max_new_tokens=8, draft_len=0).tokens
+    with pytest.raises(ConfigError, match="seeds"):
+        generate_batch(pair, PROMPTS[:2], seed=[1])
+
+
+def test_ragged_cache_matches_batch_one(qwen_pair):
+    """Logits of ragged batched passes (padding, rejected slots, catch-up chunks, compaction) equal a
+    batch-1 pass over each row's sequence, up to float rounding."""
+    pair, m = qwen_pair, qwen_pair.manifest
+    rng = np.random.default_rng(3)
+    B = 3
+    rc = RaggedCache(batch_engine(pair.dir, pair.target, m.max_len + 9, 9, B), 9)
+    seqs = [[int(t) for t in rng.integers(3, 300, n)] for n in (5, 30, 12)]
+    for r, s in enumerate(seqs):
+        pair.target.truncate(0)
+        pair.target.forward(np.array([s]), np.array([len(s) - 1]))
+        rc.load_row(r, pair.target, len(s))
+
+    def alone(seq, last):
+        pair.target.truncate(0)
+        return pair.target.forward(np.array([seq]), np.array([len(seq) - 1]))[0, 0] if last else None
+
+    for step in range(12):
+        feeds = {r: [int(t) for t in rng.integers(3, 300, int(rng.integers(1, 6)))] for r in range(B) if (step + r) % 4}
+        if step == 7:
+            feeds[1] = [int(t) for t in rng.integers(3, 300, 25)]  # longer than a pass: chunked catch-up
+        lg = rc.forward(feeds, last=True).copy()
+        for r, f in feeds.items():
+            seqs[r] = seqs[r] + f
+            np.testing.assert_allclose(lg[r, 0], alone(seqs[r], True), atol=1e-4)
+            keep = len(seqs[r]) - int(rng.integers(0, len(f)))  # reject some of what was fed
+            seqs[r] = seqs[r][:keep]
+            rc.keep(r, keep)
+            assert rc.count(r) == keep
+        rc.shrink()
+        if step == 9:
+            before = rc.e.length
+            rc.compact()
+            assert rc.e.length == max(len(s) for s in seqs) < before
+            assert all(rc.slots[r] == list(range(len(seqs[r]))) for r in range(B))
+    rc.close()
+
+
+def test_bad_requests(qwen_pair):
+    pair, m = qwen_pair, qwen_pair.manifest
+    ok = GenerationConfig(max_new_tokens=8, draft_len=2)
+    with pytest.raises(ConfigError, match="fixed draft_len"):
+        check_request(m, [5], dataclasses.replace(ok, draft_len="auto"))
+    with pytest.raises(ConfigError, match="max_draft_len"):
+        check_request(m, [5], dataclasses.replace(ok, draft_len=m.max_draft_len + 1))
+    with pytest.raises(ConfigError, match="max_len"):
+        check_request(m, list(range(3, 3 + m.max_len)), ok)
+    with pytest.raises(ConfigError, match="max_new_tokens <="):
+        check_request(m, [5], dataclasses.replace(ok, max_new_tokens=m.max_len))
+    with pytest.raises(ConfigError, match="no draft model"):
+        check_request(dataclasses.replace(m, draft=None), [5], ok)
+    check_request(dataclasses.replace(m, draft=None), [5], dataclasses.replace(ok, drafter="ngram"))
+    with pytest.raises(ConfigError, match="empty"):
+        check_request(m, [], ok)
+    with pytest.raises(ConfigError, match="batch size"):
+        BatchDecoder(pair, 0)
+    with BatchDecoder(pair, 2) as dec:
+        with pytest.raises(ConfigError, match="fixed draft_len"):
+            list(dec.run([Request(0, [5], dataclasses.replace(ok, draft_len="auto"))]))
+
+
+def test_batch_that_does_not_fit_in_memory_is_refused(qwen_pair, monkeypatch):
+    memory = pytest.importorskip("specrt.runtime.memory", reason="no memory estimate in this tree")
+    from specrt.runtime.batch import kv_bytes
+
+    m = qwen_pair.manifest
+    need = kv_bytes(m, 4, m.max_len + m.max_draft_len + 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
+    with pytest.raises(ConfigError, match="use a batch size <= 3"):
+        BatchDecoder(qwen_pair, 4)
+    BatchDecoder(qwen_pair, 3).close()

@@ -1,0 +1,286 @@
+"""`specrt batch` (cli_batch.py, runtime/jobs.py): results, bad input, job identity, resume after SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+from click.testing import CliRunner
+
+from specrt.cli_batch import batch
+from specrt.runtime.jobs import record_seed
+
+COUNTS = ("target_passes", "draft_passes", "rounds", "proposed", "accepted", "new_tokens")
+
+
+def invoke(*args):
+    return CliRunner().invoke(batch, [str(a) for a in args], color=True)
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def read_out(path) -> dict:
+    data = path.read_bytes()
+    assert not data or data.endswith(b"\n"), "torn last line"
+    recs = [json.loads(line) for line in data.decode().splitlines()]
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(map(json.dumps, ids))), "an id written twice"
+    return {json.dumps(r["id"]): r for r in recs}
+
+
+def one_line_error(r, *needles):
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_results_and_bad_records(qwen_dir, qwen_pair, tmp_path):
+    pair = qwen_pair
+    stop = pair.generate("The quick", max_new_tokens=30, draft_len=2, temperature=0.9, top_k=20, top_p=0.95,
+                         seed=3).text[6:8]
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "def quicksort(xs):"},
+        {"id": 7, "prompt": [40, 41, 42], "max_new_tokens": 5},
+        {"id": "s", "prompt": "The quick", "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 3, "stop": stop},
+        {"id": "m", "messages": [{"role": "user", "content": "hello"}], "extra": "ignored"},
+        '{"id": "broken", "prompt": ',
+        "",
+        {"prompt": "no id"},
+        {"id": "np"},
+        {"id": "neg", "prompt": "x", "temperature": -1},
+        {"id": "long", "prompt": [5] * 300},
+        [1, 2],
+        {"id": "derived", "prompt": "class", "temperature": 1.0},
+        {"id": "bad-mnt", "prompt": "x", "max_new_tokens": "5"},
+        {"id": "bad-stop", "prompt": "x", "stop": [1]},
+        {"id": 1.5, "prompt": "x"},
+        {"id": "bad-ids", "prompt": [1, 99999]},
+    ])
+    out = tmp_path / "out.jsonl"
+    r = invoke(qwen_dir, "--input", inp, "--output", out, "--batch-size", 2, "--max-new-tokens", 30, "--draft-len", 2,
+               "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert "wrote 15 records" in r.stderr and "(10 errors" in r.stderr
+    recs = read_out(out)
+    errors = {k: v["error"] for k, v in recs.items() if "error" in v}
+    assert sorted(errors) == sorted(json.dumps(x) for x in ["line:5", "line:7", "line:11", "line:15", "np", "neg",
+                                                            "long", "bad-mnt", "bad-stop", "bad-ids"])
+    assert len(recs) == 15
+    assert all(set(recs[k]) == {"id", "error"} for k in errors)
+    assert all("\n" not in e and e.startswith("line ") for e in errors.values())
+    assert "not JSON" in errors['"line:5"'] and 'no "id"' in errors['"line:7"'] and "object" in errors['"line:11"']
+    assert '"id" must be' in errors['"line:15"'] and '"prompt"' in errors['"np"']
+    assert "temperature" in errors['"neg"'] and "max_len" in errors['"long"'] and "token ids" in errors['"bad-ids"']
+    assert "max_new_tokens" in errors['"bad-mnt"'] and "stop" in errors['"bad-stop"']
+    want = {
+        '"a"': pair.generate("def quicksort(xs):", max_new_tokens=30, draft_len=2),
+        "7": pair.generate([40, 41, 42], max_new_tokens=5, draft_len=2),
+        '"s"': pair.generate("The quick", max_new_tokens=30, draft_len=2, temperature=0.9, top_k=20, top_p=0.95,
+                             seed=3, stop=[stop]),
+        '"m"': pair.generate("hello", chat=True, max_new_tokens=30, draft_len=2),
+        '"derived"': pair.generate("class", max_new_tokens=30, draft_len=2, temperature=1.0,
+                                   seed=record_seed(0, '"derived"')),
+    }
+    assert recs['"s"']["finish_reason"] == "stop"
+    for key, res in want.items():
+        rec = recs[key]
+        assert set(rec) == {"id", "text", "tokens", "finish_reason", "stats"}
+        assert (rec["tokens"], rec["text"], rec["finish_reason"]) == (res.tokens, res.text, res.finish_reason), key
+        assert all(rec["stats"][c] == res.stats[c] for c in COUNTS), key
+    # Rerun: nothing to do, output untouched.
+    before = out.read_bytes()
+    r = invoke(qwen_dir, "--input", inp, "--output", out, "--batch-size", 3, "--max-new-tokens", 30, "--draft-len", 2,
+               "--no-progress")
+    assert r.exit_code == 0 and "nothing to run" in r.stderr and out.read_bytes() == before
+
+
+def test_duplicate_ids_stop_before_anything_runs(qwen_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"},
+                                             {"id": "a", "prompt": "z"}])
+    out = tmp_path / "out.jsonl"
+    one_line_error(invoke(qwen_dir, "--input", inp, "--output", out), "duplicate id 'a' on lines 1 and 3")
+    assert not out.exists()
+    # An error record's id "line:N" counts as an id too.
+    inp = write_jsonl(tmp_path / "in2.jsonl", ["nonsense", {"id": "line:1", "prompt": "x"}])
+    one_line_error(invoke(qwen_dir, "--input", inp, "--output", out), "duplicate id 'line:1'")
+    assert not out.exists()
+
+
+def test_bad_invocations(qwen_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    one_line_error(invoke(qwen_dir, "--input", tmp_path / "missing.jsonl", "--output", out), "cannot read input")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"id": "\xe9"}\n')
+    one_line_error(invoke(qwen_dir, "--input", tmp_path / "latin1.jsonl", "--output", out), "not UTF-8")
+    write_jsonl(tmp_path / "empty.jsonl", ["", "  "])
+    one_line_error(invoke(qwen_dir, "--input", tmp_path / "empty.jsonl", "--output", out), "no records")
+    one_line_error(invoke(tmp_path / "nopair", "--input", inp, "--output", out), "pair folder not found")
+    one_line_error(invoke(qwen_dir, "--input", inp, "--output", out, "--temperature", -1), "temperature")
+    one_line_error(invoke(qwen_dir, "--input", inp, "--output", out, "--draft-len", 99), "max_draft_len")
+    one_line_error(invoke(qwen_dir, "--input", inp, "--output", out, "--ray-actors", 0), "--ray-actors")
+    one_line_error(invoke(qwen_dir, "--input", inp, "--output", tmp_path), "is a folder")
+    for bad in ("0", "x", "-2"):
+        r = invoke(qwen_dir, "--input", inp, "--output", out, "--batch-size", bad)
+        assert r.exit_code == 2 and "batch-size" in r.stderr
+    assert not out.exists()
+    # An unreachable Ray address fails fast with one line (without Ray installed: one line saying so).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connections are refused
+        t0 = time.monotonic()
+        r = invoke(qwen_dir, "--input", inp, "--output", out, "--ray", f"127.0.0.1:{port}")
+    one_line_error(r)
+    assert "cannot reach the Ray cluster" in r.stderr or "needs Ray" in r.stderr
+    assert time.monotonic() - t0 < 30
+    assert not out.exists() or out.read_bytes() == b""
+
+
+def _job(qwen_dir, inp, out, *extra):
+    return invoke(qwen_dir, "--input", inp, "--output", out, "--max-new-tokens", 6, "--draft-len", 3, "--no-progress",
+                  *extra)
+
+
+def test_output_of_another_job_is_refused(qwen_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"def f{i}():"} for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    assert _job(qwen_dir, inp, out, "--batch-size", 2).exit_code == 0
+    first = out.read_bytes()
+    assert len(read_out(out)) == 6 and (tmp_path / "out.jsonl.job.json").is_file()
+    one_line_error(_job(qwen_dir, inp, out, "--temperature", 0.5), "belongs to another job", "temperature", "--overwrite")
+    one_line_error(_job(qwen_dir, inp, out, "--seed", 1), "belongs to another job", "seed")
+    write_jsonl(inp, [{"id": i, "prompt": f"def g{i}():"} for i in range(6)])
+    one_line_error(_job(qwen_dir, inp, out), "belongs to another job", "input file")
+    assert out.read_bytes() == first  # refused jobs leave the output alone
+    # The batch size is not part of the job: results do not depend on it.
+    r = _job(qwen_dir, inp, out, "--overwrite", "--batch-size", 4)
+    assert r.exit_code == 0, r.output
+    recs = read_out(out)
+    assert len(recs) == 6 and out.read_bytes() != first
+    # An output with no sidecar is nobody's job: refused too.
+    (tmp_path / "out.jsonl.job.json").unlink()
+    one_line_error(_job(qwen_dir, inp, out), "not written by a specrt batch job")
+    assert read_out(out) == recs
+
+
+def test_torn_tail_is_cut_and_resumed(qwen_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"x = {i}", "temperature": 0.8 * (i % 2)}
+                                             for i in range(9)])
+    ref_path = tmp_path / "ref.jsonl"
+    assert _job(qwen_dir, inp, ref_path, "--batch-size", 3).exit_code == 0
+    ref = read_out(ref_path)
+    lines = ref_path.read_bytes().splitlines(keepends=True)
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.job.json").write_bytes((tmp_path / "ref.jsonl.job.json").read_bytes())
+    for tail in (lines[3][:17], b"\x00" * 40, lines[3][:-1]):  # half a line, a crash's zero fill, no newline
+        out.write_bytes(b"".join(lines[:3]) + tail)
+        r = _job(qwen_dir, inp, out, "--batch-size", 2)
+        assert r.exit_code == 0, r.output
+        assert "torn last line" in r.stderr and "3 of 9 records already" in r.stderr
+        got = read_out(out)
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert (got[k]["tokens"], got[k]["text"]) == (ref[k]["tokens"], ref[k]["text"]), k
+    # Damage in the middle is not ours to guess about: refused, file untouched.
+    bad = b"".join(lines[:2]) + b'{"id": "r9", "te\n' + b"".join(lines[2:])
+    out.write_bytes(bad)
+    one_line_error(_job(qwen_dir, inp, out), "corrupt at line 3")
+    assert out.read_bytes() == bad
+
+
+def test_batch_size_auto_reports_choice(qwen_dir, qwen_pair, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"y = {i} +"} for i in range(40)])
+    out = tmp_path / "out.jsonl"
+    r = _job(qwen_dir, inp, out)  # --batch-size auto is the default
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.stderr.splitlines() if x.startswith("batch size auto:"))
+    for b in (1, 2, 4, 8):
+        assert f"{b}: " in line
+    chosen = int(line.rsplit("-> ", 1)[1])
+    assert f"batch size {chosen}" in r.stderr.splitlines()[-1]
+    recs = read_out(out)
+    assert len(recs) == 40
+    for i in (0, 5, 39):  # calibration records and later ones alike
+        assert recs[str(i)]["tokens"] == qwen_pair.generate(f"y = {i} +", max_new_tokens=6, draft_len=3).tokens
+
+
+def test_progress_bar_on_stderr(qwen_dir, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "z"} for i in range(5)])
+    r = invoke(qwen_dir, "--input", inp, "--output", tmp_path / "o.jsonl", "--max-new-tokens", 3, "--batch-size", 2)
+    assert r.exit_code == 0 and r.stdout == ""
+    assert "5/5" in r.stderr and "tok/s" in r.stderr and "acceptance" in r.stderr
+
+
+# ------------------------------------------------------------------------------ SIGKILL and resume
+
+
+def _cli():
+    """`python -m specrt.cli batch` once cli.py registers the command, else the module itself."""
+    from specrt.cli import main
+
+    return [sys.executable, "-m", "specrt.cli", "batch"] if "batch" in main.commands else \
+        [sys.executable, "-m", "specrt.cli_batch"]
+
+
+def _complete_lines(path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigkill_three_times_then_complete(qwen_dir, tmp_path):
+    """A 1000-record job killed with SIGKILL at three random moments, then completed: every id exactly
+    once, each record what an uninterrupted run wrote, no torn line (batch sizes differ per run)."""
+    n = 1000
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": i if i % 2 else f"s{i}", "prompt": f"def f{i}(x):" if i % 3 else f"class C{i}:",
+         **({"temperature": 0.9, "top_k": 30} if i % 4 == 1 else {}), **({"max_new_tokens": 2} if i % 5 == 0 else {})}
+        for i in range(n)])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    common = ["--input", str(inp), "--max-new-tokens", "4", "--draft-len", "3", "--no-progress"]
+
+    def start(out, b):
+        return subprocess.Popen([*_cli(), str(qwen_dir), *common, "--output", str(out), "--batch-size", str(b)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    ref_path = tmp_path / "ref.jsonl"
+    p = start(ref_path, 4)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()
+    ref = read_out(ref_path)
+    assert len(ref) == n
+
+    out = tmp_path / "out.jsonl"
+    rng = random.Random(0)
+    for b in (3, 8, "auto"):
+        before = _complete_lines(out)
+        target = before + rng.randint(40, 250)
+        p = start(out, b)
+        deadline = time.monotonic() + 60
+        while _complete_lines(out) < target and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0, 0.03))
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=30)
+        assert p.returncode == -signal.SIGKILL, "the job finished before it could be killed"
+        assert before < _complete_lines(out) < n
+    p = start(out, 2)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err.decode()
+    got = read_out(out)
+    assert len(got) == n and got.keys() == ref.keys()
+    for k, want in ref.items():
+        g = got[k]
+        assert (g["tokens"], g["text"], g["finish_reason"]) == (want["tokens"], want["text"], want["finish_reason"]), k
+        assert all(g["stats"][c] == want["stats"][c] for c in COUNTS), k
