@@ -73,6 +73,12 @@ class AutoDraftLen:
             e += run
         return e
 
+    def cost(self, k: int) -> float:
+        """Predicted seconds of a round with k drafts (0 when nothing is measured yet)."""
+        target = self.costs.target(k + 1)
+        draft_s = 0.0 if self.free_draft else (self.costs.draft_s or 0.0)
+        return (target or 0.0) + k * draft_s
+
     def choose(self, limit: int) -> int:
         """Draft length for the next round, at most `limit`."""
         limit = min(limit, self.max_k)
@@ -84,7 +90,7 @@ class AutoDraftLen:
             return min(limit, 2)  # nothing measured yet: a short draft measures both costs
         best_k, best_rate = 0, 1.0 / c1
         for k in range(1, limit + 1):
-            rate = self.expected_tokens(k) / (k * draft_s + self.costs.target(k + 1))
+            rate = self.expected_tokens(k) / self.cost(k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:

@@ -35,6 +35,7 @@ class Stats:
     rounds_skipped: int = 0  # auto: rounds the guard ran without drafting
     predicted_speedup: float = 0.0  # auto/fixed: E(tokens)/cost from the cost model, vs one target pass a token
     measured_speedup: float = 0.0  # tokens / (draft + verify time) vs the measured one-token target pass
+    acceptance_estimate: list[float] = field(default_factory=list)  # auto: conditional acceptance per position at the end
     new_tokens: int = 0
     prompt_tokens: int = 0
     ttft_s: float = 0.0
@@ -78,7 +79,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     k = (max_draft_len if auto else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
     stats = Stats(draft_len="auto" if auto else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
-    predicted_tokens = spent = 0.0
+    predicted_tokens = predicted_s = spent = 0.0
     start = time.perf_counter()
 
     def pick(logits: np.ndarray) -> int:  # one token from logits [V]
@@ -144,9 +145,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         target.truncate(base + 1 + n)
         if drafter is not None:
             drafter.commit(len(seq) + n)
-        if auto:
+        if auto:  # what the controller expected of this round, then what it saw
+            predicted_tokens += auto.expected_tokens(k_now)
+            predicted_s += auto.cost(k_now)
             auto.observe(k_now, n)
-        predicted_tokens += auto.expected_tokens(k_now) if auto else 0.0
         spent += t2 - t0
         stats.proposed += k_now
         stats.accepted += n
@@ -162,5 +164,6 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         stats.measured_speedup = (len(out) - 1) * c1 / spent  # tokens after the first, vs one pass each
         if auto:
             stats.rounds_skipped = auto.rounds_skipped
-            stats.predicted_speedup = predicted_tokens * c1 / spent
+            stats.acceptance_estimate = [round(a, 4) for a in auto.accept]
+            stats.predicted_speedup = predicted_tokens * c1 / predicted_s if predicted_s else 0.0
     return out, reason or "length", stats

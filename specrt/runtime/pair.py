@@ -114,6 +114,8 @@ class Pair:
         self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
         self.tuned = (m.tuned or {}) if use_tuned else {}
+        # auto's prior: conditional acceptance per draft position, carried from request to request
+        self.acceptance: list[float] = list(self.tuned.get("acceptance", []))
         if self.tuned:
             if self.tuned.get("graphs") != m.graph_hashes():
                 raise PairError(f"the tuned settings in {self.dir}/manifest.json were measured on other graphs "
@@ -293,7 +295,9 @@ class Pair:
 
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
-                                       self.tuned.get("acceptance"))
+                                       self.acceptance)
+        if stats.acceptance_estimate:  # the next request starts from what this one learned
+            self.acceptance = stats.acceptance_estimate
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)

@@ -41,6 +41,15 @@ def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
     return {"draft_s": draft_s, "target_s": target_s}
 
 
+def conditional(accepted_per_position: list[float]) -> list[float]:
+    """P(draft i accepted | drafts before it accepted), from fixed-length rounds' P(i accepted)."""
+    out, before = [], 1.0
+    for p in accepted_per_position:
+        out.append(min(1.0, p / before) if before > 0 else 0.0)
+        before = p
+    return out
+
+
 def tune(pair, prompts, max_new_tokens: int, repeats: int, draft_lens: list, drafters: list[str],
          confidence_stops: list[float], progress=None) -> dict:
     costs = measure_costs(pair)
@@ -53,7 +62,7 @@ def tune(pair, prompts, max_new_tokens: int, repeats: int, draft_lens: list, dra
         "drafter": best["drafter"] if best["draft_len"] else pair.default_drafter,
         "draft_len": best["draft_len"],
         "confidence_stop": best["confidence_stop"],
-        "acceptance": widest["accepted_per_position"] if widest else [],
+        "acceptance": conditional(widest["accepted_per_position"]) if widest else [],
         "costs": costs,
         "graphs": pair.manifest.graph_hashes(),
         "measured": {
