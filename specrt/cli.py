@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -159,11 +160,10 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
 
     if (prompts is None) == (prompt_text is None):
         raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
-    if json_out is not None:  # fail now, not after the whole run
-        try:
-            json_out.open("a").close()
-        except OSError as e:
-            raise ConfigError(f"cannot write --json {json_out}: {e.strerror}") from None
+    if json_out is not None:  # fail now, not after the whole run (and create nothing yet)
+        folder = json_out.parent if str(json_out.parent) else Path(".")
+        if json_out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"cannot write --json {json_out}: not a writable file path")
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     sampling = SamplingConfig(temperature=temperature)
