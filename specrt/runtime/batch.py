@@ -500,26 +500,13 @@ class BatchDecoder:
 
 
 def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
-    """Raise ConfigError for a request a batch cannot run: the checks of a lone run (Pair.run), plus a
-    fixed draft_len. `m` is the pair's Manifest."""
-    k = cfg.draft_len
-    if k == "auto":
+    """Raise ConfigError for a request a batch cannot run: the checks of a lone run, plus a fixed
+    draft_len. `m` is the pair's Manifest."""
+    from specrt.runtime.pair import check_request as check_lone
+
+    if cfg.draft_len == "auto":
         raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
-    if k > m.max_draft_len:
-        raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
-                          "(set at export with --max-draft-len)")
-    if k and cfg.drafter != "ngram" and m.draft is None:
-        raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
-                          "use drafter 'ngram' or draft_len 0")
-    if not prompt:
-        raise ConfigError("the prompt is empty")
-    if len(prompt) >= m.max_len:
-        raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
-    if len(prompt) + cfg.max_new_tokens + k + 1 > m.max_len:
-        room = m.max_len - len(prompt) - k - 1
-        fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
-        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
-                          f"exceeds max_len {m.max_len}; {fix}")
+    check_lone(m, prompt, cfg)
 
 
 def default_draft_len(m, tuned: dict | None = None) -> int:

@@ -247,22 +247,7 @@ class Pair:
             self._release()
 
     def _check_request(self, prompt: list[int], cfg: GenerationConfig) -> None:
-        m = self.manifest
-        k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
-        if k > m.max_draft_len:
-            raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
-                              "(set at export with --max-draft-len)")
-        if k and cfg.drafter != "ngram" and self.draft is None:
-            raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
-                              "use drafter 'ngram' or draft_len 0")
-        need = len(prompt) + cfg.max_new_tokens + k + 1
-        if len(prompt) >= m.max_len:
-            raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
-        if need > m.max_len:
-            room = m.max_len - len(prompt) - k - 1
-            fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
-            raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
-                              f"exceeds max_len {m.max_len}; {fix}")
+        check_request(self.manifest, prompt, cfg)
 
     def _run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None,
              cancel: Callable[[], bool] | None) -> Result:
@@ -426,6 +411,26 @@ class Stream:
     def text(self) -> str:
         """Consume the rest of the stream; return all its text."""
         return "".join(self)
+
+
+def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
+    """Raise ConfigError for a request the pair (manifest `m`) cannot run: draft length, drafter, cache room."""
+    k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
+    if k > m.max_draft_len:
+        raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
+                          "(set at export with --max-draft-len)")
+    if k and cfg.drafter != "ngram" and m.draft is None:
+        raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
+                          "use drafter 'ngram' or draft_len 0")
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if len(prompt) >= m.max_len:
+        raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
+    if len(prompt) + cfg.max_new_tokens + k + 1 > m.max_len:
+        room = m.max_len - len(prompt) - k - 1
+        fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
+                          f"exceeds max_len {m.max_len}; {fix}")
 
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
