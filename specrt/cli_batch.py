@@ -38,14 +38,14 @@ def _batch_size(ctx, param, value):
 
 
 def _draft_len(ctx, param, value):
+    """generate's --draft-len parser, minus 'auto' (a batch needs a fixed draft length)."""
+    from specrt.cli import _draft_len as parse  # looked up at run time: specrt.cli imports this module
+
     if value is None:
         return None
-    try:
-        k = int(value)
-    except ValueError:
-        k = -1
-    if k < 0:
-        raise click.BadParameter(f"expected an integer >= 0 (0 = target only), got {value!r}")
+    k = parse(value)
+    if k == "auto":
+        raise click.BadParameter("a batch needs a fixed draft length (an integer >= 0), not 'auto'")
     return k
 
 
