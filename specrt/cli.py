@@ -128,6 +128,18 @@ def _draft_len(value: str):
     return k
 
 
+def _batch_sizes(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        vals = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise click.BadParameter(f"expected comma-separated integers >= 1, got {value!r}")
+    return vals
+
+
 def _draft_len_list(ctx, param, value):
     vals = [_draft_len(v) for v in value.split(",") if v.strip()]
     if not vals:
@@ -148,14 +160,18 @@ def _draft_len_list(ctx, param, value):
 @click.option("--drafters", default=None,
               help="Comma-separated drafters to compare: model, ngram, hybrid (default: the pair's default drafter).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--batch-sizes", default=None, callback=_batch_sizes,
+              help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "
+                   "(whole prompt list per setting, slots refilled; fixed draft lengths only).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
 @_errors
 def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
-          json_out):
+          batch_sizes, json_out):
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
     from specrt.errors import ConfigError
-    from specrt.runtime.bench import Prompt, format_table, read_prompts, run_bench
+    from specrt.runtime.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench,
+                                      run_bench)
     from specrt.runtime.pair import load
 
     if (prompts is None) == (prompt_text is None):
@@ -170,6 +186,17 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
     with load(pair_dir) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
         names = [d.strip() for d in (drafters or pair.default_drafter).split(",") if d.strip()]
+        if batch_sizes:
+            if len(names) != 1:
+                raise ConfigError("--batch-sizes compares batch sizes for one drafter; give one in --drafters")
+            with click.progressbar(length=repeats * len(draft_lens) * len(batch_sizes), label="bench",
+                                   file=sys.stderr) as bar:
+                res = run_batch_bench(pair, plist, batch_sizes, draft_lens, max_new_tokens, repeats, sampling,
+                                      drafter=names[0], progress=lambda: bar.update(1))
+            click.echo(format_batch_table(res))
+            if json_out:
+                json_out.write_text(json.dumps(res, indent=2))
+            return
         total = repeats * len(draft_lens) * len(plist) * len(names)
         with click.progressbar(length=total, label="bench", file=sys.stderr) as bar:
             res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling,

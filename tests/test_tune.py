@@ -105,3 +105,29 @@ def test_bench_json_and_table(qwen_dir, tmp_path):
             assert key in row
     assert set(base["tokens_per_s_by_class"]) == {"code"}  # the first three prompts are code generation
     assert res["peak_rss_mb"] > 0 and "best:" in r.stdout
+
+
+def test_bench_batch_sizes(qwen_dir, tmp_path):
+    out = tmp_path / "b.json"
+    r = invoke("bench", qwen_dir, "--prompts", PROMPTS, "--limit", 3, "--batch-sizes", "1,2,4", "--draft-lens", "0,3",
+               "--max-new-tokens", 8, "--repeats", 2, "--json", out)
+    assert r.exit_code == 0, r.output
+    table = r.stdout.splitlines()
+    assert table[0].split()[:3] == ["draft_len", "batch", "tok/s"] and len(table) == 2 + 6
+    res = json.loads(out.read_text())
+    assert [(row["draft_len"], row["batch_size"]) for row in res["rows"]] == [(k, b) for k in (0, 3) for b in (1, 2, 4)]
+    assert all(row["tokens_per_s"] > 0 and row["tokens_per_target_pass"] > 0 for row in res["rows"])
+    assert res["rows"][0]["speedup"] == 1.0 and res["rows"][0]["speculation_gain"] is None
+    assert 0 < res["rows"][4]["acceptance_rate"] <= 1 and res["rows"][4]["speculation_gain"] > 0
+    assert res["best_batch_size"] in (1, 2, 4) and "best: drafter model" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "0,2"], "expected comma-separated integers >= 1"),
+    (["--batch-sizes", "two"], "expected comma-separated integers >= 1"),
+    (["--batch-sizes", "2", "--draft-lens", "0,auto"], "fixed draft lengths"),
+    (["--batch-sizes", "2", "--drafters", "model,ngram"], "one in --drafters"),
+])
+def test_bench_batch_sizes_bad_input(qwen_dir, args, message):
+    r = invoke("bench", qwen_dir, "--prompt", "x", *args)
+    assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import resource
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,4 +145,80 @@ def format_table(res: dict) -> str:
                  f"confidence_stop {res['best_confidence_stop']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
                  f"({res['prompts']} prompts x {res['repeats']} repeats, {res['max_new_tokens']} new tokens, "
                  f"temperature {res['temperature']})")
+    return "\n".join(lines)
+
+
+def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_lens: list[int],
+                    max_new_tokens: int = 128, repeats: int = 1, sampling: SamplingConfig = SamplingConfig(),
+                    seed: int = 0, drafter: str = "model", progress=None) -> dict:
+    """Aggregate tokens/s per (draft length, batch size): the whole prompt list runs through one
+    BatchDecoder (slots are refilled as rows finish), rate = generated tokens / wall seconds of that
+    run, prefills included. Settings are interleaved inside each repeat; medians over repeats;
+    speedups against batch 1, draft length 0 of the same run."""
+    from specrt.runtime.batch import BatchDecoder, Request
+
+    if "auto" in draft_lens:
+        raise ConfigError("--batch-sizes needs fixed draft lengths (integers), not 'auto'")
+    settings = [(k, b) for k in draft_lens for b in batch_sizes]
+    cfgs = {k: GenerationConfig(max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed,
+                                drafter=drafter if k else "model") for k in draft_lens}
+    decoders = {}
+    try:
+        for k, b in settings:  # one decoder (KV caches) per batch size; warm-up and validation up front
+            if b not in decoders:
+                decoders[b] = BatchDecoder(pair, b)
+            list(decoders[b].run([Request(0, prompts[0].ids, cfgs[k])]))
+        runs = {s: [] for s in settings}
+        for _ in range(repeats):
+            for k, b in settings:
+                dec = decoders[b]
+                dec.totals = type(dec.totals)(batch_size=b)
+                t0 = time.perf_counter()
+                results = dict(dec.run([Request(i, p.ids, cfgs[k]) for i, p in enumerate(prompts)]))
+                wall = time.perf_counter() - t0
+                runs[(k, b)].append((sum(len(r.tokens) for r in results.values()), wall, dec.totals.as_dict(),
+                                     [r.stats["wall_s"] for r in results.values()]))
+                if progress:
+                    progress()
+    finally:
+        for dec in decoders.values():
+            dec.close()
+    rows = []
+    for (k, b), items in runs.items():
+        tokens = sum(t for t, _, _, _ in items)
+        tot = [x for _, _, x, _ in items]
+        passes = sum(x["target_passes"] for x in tot)
+        rows.append({
+            "draft_len": k, "batch_size": b,
+            "tokens_per_s": statistics.median(t / w for t, w, _, _ in items),
+            "acceptance_rate": statistics.mean(x["acceptance_rate"] for x in tot),
+            "tokens_per_target_pass": tokens / passes if passes else 0.0,
+            "occupancy": statistics.mean(x["occupancy"] for x in tot),
+            "mean_latency_s": statistics.median(statistics.mean(lat) for _, _, _, lat in items),
+        })
+    base = next((r for r in rows if r["draft_len"] == 0 and r["batch_size"] == 1), None)
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+        same_b = next((x for x in rows if x["draft_len"] == 0 and x["batch_size"] == r["batch_size"]), None)
+        r["speculation_gain"] = r["tokens_per_s"] / same_b["tokens_per_s"] if same_b and r["draft_len"] else None
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return {"mode": "batch", "drafter": drafter, "batch_sizes": batch_sizes, "draft_lens": draft_lens, "rows": rows,
+            "best_batch_size": best["batch_size"], "best_draft_len": best["draft_len"],
+            "max_new_tokens": max_new_tokens, "repeats": repeats, "temperature": sampling.temperature,
+            "prompts": len(prompts), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def format_batch_table(res: dict) -> str:
+    lines = [f"{'draft_len':>9} {'batch':>5} {'tok/s':>9} {'speedup':>8} {'spec gain':>9} {'accept':>7} "
+             f"{'tok/pass':>8} {'occupancy':>9} {'latency s':>9}"]
+    for r in res["rows"]:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        gain = f"{r['speculation_gain']:.2f}x" if r["speculation_gain"] is not None else "-"
+        lines.append(f"{r['draft_len']:>9} {r['batch_size']:>5} {r['tokens_per_s']:>9.1f} {sp:>8} {gain:>9} "
+                     f"{r['acceptance_rate']:>7.0%} {r['tokens_per_target_pass']:>8.2f} {r['occupancy']:>9.0%} "
+                     f"{r['mean_latency_s']:>9.2f}")
+    lines.append(f"best: drafter {res['drafter']}, draft_len {res['best_draft_len']}, batch size {res['best_batch_size']}   "
+                 f"peak RSS {res['peak_rss_mb']:.0f} MB   ({res['prompts']} prompts x {res['repeats']} repeats, "
+                 f"{res['max_new_tokens']} new tokens, temperature {res['temperature']}; speedup vs batch 1 "
+                 "target-only, spec gain vs target-only at the same batch size)")
     return "\n".join(lines)
