@@ -324,8 +324,9 @@ def test_int4_manifest_and_graph(request, which, level):
             assert sha256_file(d / name) == digest
         proto = onnx.load(str(d / e.path), load_external_data=False)
         ops = [n.op_type for n in proto.graph.node]
-        # q, k, v, o, gate, up, down per layer + lm_head; only activation x activation MatMuls remain
-        assert ops.count("MatMulNBits") == 7 * e.num_layers + 1
+        # fused qkv, o, fused gate/up, down per layer + lm_head; only activation x activation MatMuls remain
+        assert ops.count("MatMulNBits") == 4 * e.num_layers + 1
+        assert ops.count("RotaryEmbedding") == 2 * e.num_layers
         inits = {i.name for i in proto.graph.initializer}
         assert not any(n.op_type == "MatMul" and set(n.input) & inits for n in proto.graph.node)
         for n in proto.graph.node:

@@ -33,8 +33,63 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+# Each of these computes its result in torch (for tracing and reference) and exports as one node, where
+# plain tracing would emit a chain of shape arithmetic or a dozen elementwise ops. On a 2-core CPU a
+# one-token step is dominated by per-node dispatch once the weights are int4, so node count is speed.
+
+class _Reshape(torch.autograd.Function):
+    """Reshape to a constant target where 0 keeps the input's dimension (ONNX semantics)."""
+
+    @staticmethod
+    def forward(ctx, x, shape):
+        return x.reshape([x.shape[i] if d == 0 else d for i, d in enumerate(shape)])
+
+    @staticmethod
+    def symbolic(g, x, shape):
+        return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor(shape, dtype=torch.int64)))
+
+
+class _Rotary(torch.autograd.Function):
+    """Rotary embedding (half rotation) of x [B, S, N*D] at positions [B, S]: onnxruntime's
+    com.microsoft RotaryEmbedding over precomputed cos/sin tables [max_len, D/2]."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos_table, sin_table, num_heads):
+        B, S, _ = x.shape
+        xs = x.reshape(B, S, num_heads, -1)
+        cos = cos_table[positions][:, :, None]  # [B, S, 1, D/2]
+        sin = sin_table[positions][:, :, None]
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        return (xs * cos + _rotate_half(xs) * sin).reshape(B, S, -1)
+
+    @staticmethod
+    def symbolic(g, x, positions, cos_table, sin_table, num_heads):
+        out = g.op("com.microsoft::RotaryEmbedding", x, positions, cos_table, sin_table, interleaved_i=0,
+                   num_heads_i=num_heads)
+        out.setType(x.type())
+        return out
+
+
+def _fused_linear(mods: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing the concatenation of `mods`' outputs: one weight matmul instead of several.
+    Consumes the originals (their weights are freed as they are copied, so export memory does not grow)."""
+    out = sum(m.out_features for m in mods)
+    has_bias = any(m.bias is not None for m in mods)
+    fused = nn.Linear(mods[0].in_features, out, bias=has_bias, dtype=mods[0].weight.dtype, device="meta")
+    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() if m.bias is not None else
+                                             torch.zeros(m.out_features, dtype=m.weight.dtype) for m in mods]),
+                                  requires_grad=False)
+    for m in mods:
+        m.weight = m.bias = None
+    return fused
+
+
 class DeltaKVDecoder(nn.Module):
-    def __init__(self, hf_model):
+    """`hf_model` rewritten for export; it consumes the model (projections are fused in place)."""
+
+    def __init__(self, hf_model, max_len: int = 4096):
         super().__init__()
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -52,20 +107,24 @@ class DeltaKVDecoder(nn.Module):
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = self.model.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq.detach().float().clone(), persistent=False)
-        self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * rotary.inv_freq.detach().float()  # [max_len, D/2]
+        self.register_buffer("cos_table", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin_table", freqs.sin() * scaling, persistent=False)
+        self.qkv = nn.ModuleList()
+        self.gate_up = nn.ModuleList()
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(_fused_linear([a.q_proj, a.k_proj, a.v_proj]))
+            self.gate_up.append(_fused_linear([mlp.gate_proj, mlp.up_proj]))
 
     def forward(self, input_ids, position_ids, attention_mask, logit_positions, *past):
         B, S = input_ids.shape
-        Hkv, D = self.num_kv_heads, self.head_dim
-        rep = self.num_heads // Hkv
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        rep = H // Hkv
         h = self.model.embed_tokens(input_ids)  # [B, S, hidden]
-
-        # Rotary tables for the explicit positions.
-        freqs = position_ids.float()[..., None] * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling)[:, None].to(h.dtype)  # [B, 1, S, D]
-        sin = (emb.sin() * self.attention_scaling)[:, None].to(h.dtype)
+        cos = self.cos_table.to(h.dtype)
+        sin = self.sin_table.to(h.dtype)
 
         # Mask by cache slot, built without shape arithmetic: slot index = cumsum(ones) - 1.
         kv_slot = torch.cumsum(torch.ones_like(attention_mask), -1) - 1  # [B, T]
@@ -76,30 +135,29 @@ class DeltaKVDecoder(nn.Module):
 
         new_kv = []
         for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
+            attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(B, S, -1, D)  # [B, S, H, D]
-            k = attn.k_proj(x).view(B, S, Hkv, D)
-            v = attn.v_proj(x).view(B, S, Hkv, D)
+            q, k, v = self.qkv[i](x).split([H * D, Hkv * D, Hkv * D], -1)  # [B, S, H*D], [B, S, Hkv*D] x2
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_new = k.permute(2, 0, 1, 3)  # [S, B, Hkv, D]
-            v_new = v.transpose(0, 1)  # [S, B, Hkv, D]
+                q = _Reshape.apply(attn.q_norm(_Reshape.apply(q, (0, -1, H, D))), (0, -1, H * D))
+                k = _Reshape.apply(attn.k_norm(_Reshape.apply(k, (0, -1, Hkv, D))), (0, -1, Hkv * D))
+            q = _Rotary.apply(q, position_ids, cos, sin, H)
+            k = _Rotary.apply(k, position_ids, cos, sin, Hkv)
+            k_new = _Reshape.apply(k, (0, -1, Hkv, D)).transpose(0, 1)  # [S, B, Hkv, D]
+            v_new = _Reshape.apply(v, (0, -1, Hkv, D)).transpose(0, 1)  # [S, B, Hkv, D]
             new_kv += [k_new, v_new]
 
-            keys = torch.cat((past[2 * i], k_new), 0).permute(1, 2, 0, 3)  # [B, Hkv, T, D]
-            values = torch.cat((past[2 * i + 1], v_new), 0).permute(1, 2, 0, 3)
+            keys_t = torch.cat((past[2 * i], k_new), 0).permute(1, 2, 3, 0)[:, :, None]  # [B, Hkv, 1, D, T]
+            values = torch.cat((past[2 * i + 1], v_new), 0).permute(1, 2, 0, 3)[:, :, None]  # [B, Hkv, 1, T, D]
             # Grouped-query attention by broadcasting: no repeated copy of K/V.
-            qg = q.reshape(B, Hkv, rep, S, D).float()  # [B, Hkv, rep, S, D]
-            scores = torch.matmul(qg, keys.float()[:, :, None].transpose(-1, -2)) * attn.scaling  # [B, Hkv, rep, S, T]
+            qg = _Reshape.apply(q, (0, -1, Hkv, rep, D)).permute(0, 2, 3, 1, 4)  # [B, Hkv, rep, S, D]
+            scores = torch.matmul(qg.float(), keys_t.float()) * attn.scaling  # [B, Hkv, rep, S, T]
             probs = torch.softmax(scores + bias, dim=-1)
-            out = torch.matmul(probs, values.float()[:, :, None]).to(h.dtype)  # [B, Hkv, rep, S, D]
-            out = out.permute(0, 3, 1, 2, 4).reshape(B, S, -1)  # [B, S, H*D]
+            out = torch.matmul(probs, values.float()).to(h.dtype)  # [B, Hkv, rep, S, D]
+            out = _Reshape.apply(out.permute(0, 3, 1, 2, 4), (0, -1, H * D))  # [B, S, H*D]
             h = h + attn.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            gate, up = self.gate_up[i](layer.post_attention_layernorm(h)).chunk(2, -1)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
 
         h = self.model.norm(h)
         h = torch.index_select(h, 1, logit_positions)  # [B, N, hidden]: no logits for unused positions
@@ -113,9 +171,10 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "position_ids", "attention_mask", "logit_positions", *past], ["logits", *new]
 
 
-def export_onnx(hf_model, out_path, opset: int = 18) -> DeltaKVDecoder:
-    """Trace the delta-KV decoder of `hf_model` to `out_path` (external data for large models)."""
-    wrapper = DeltaKVDecoder(hf_model).eval()
+def export_onnx(hf_model, out_path, max_len: int = 4096, opset: int = 18) -> DeltaKVDecoder:
+    """Trace the delta-KV decoder of `hf_model` to `out_path` (external data for large models).
+    Positions must stay below `max_len` (the size of the rotary tables). Consumes `hf_model`."""
+    wrapper = DeltaKVDecoder(hf_model, max_len).eval()
     dtype = next(hf_model.parameters()).dtype
     L, Hkv, D = wrapper.num_layers, wrapper.num_kv_heads, wrapper.head_dim
     B, S, P = 1, 3, 2

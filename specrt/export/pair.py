@@ -197,7 +197,7 @@ def export_model(src, folder: Path, cfg: ExportConfig) -> ModelEntry:
     folder.mkdir()
     model = load.load_model(src)
     path = folder / "model.onnx"
-    wrapper = graph.export_onnx(model, path)
+    wrapper = graph.export_onnx(model, path, cfg.max_len)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
                 num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
                 logits_width=int(model.config.vocab_size))
