@@ -43,9 +43,15 @@ def test_auto_controller_choices():
     assert auto.expected_tokens(0) == 1.0
     assert auto.expected_tokens(2) == pytest.approx(1 + 0.9 + 0.81)
     dear = AutoDraftLen(8, dear_drafts(), prior=0.7)
-    picks = [dear.choose(8) for _ in range(32)]
-    assert picks.count(0) == 30 and picks[15] == picks[31] == 1  # plain decoding, probing every 16 rounds
-    assert dear.rounds_skipped == 30
+    picks = [dear.choose(8) for _ in range(16 + 32 + 64)]
+    # plain decoding, probing after 16 rounds, then after 32, then 64: each failed probe doubles the wait
+    assert [i for i, k in enumerate(picks) if k] == [15, 47, 111] and set(picks) == {0, 1}
+    assert dear.rounds_skipped == len(picks) - 3
+    costs = FrozenCosts(draft_s=0.5, target_s={1: 1.0, 9: 1.0})
+    turns = AutoDraftLen(8, costs, prior=0.1)
+    assert [turns.choose(8) for _ in range(40)].count(0) == 39 and turns._gap == 32
+    turns.accept = [0.95] * 8  # the numbers now say drafting pays: it drafts, and the probe gap resets
+    assert turns.choose(8) > 0 and turns._gap == turns.probe_every
     assert AutoDraftLen(8, CostModel()).choose(8) == 2  # nothing measured yet: a short probe
     auto.observe(4, 1)  # position 0 accepted, position 1 rejected, 2.. not reached
     assert auto.accept[0] > 0.9 > auto.accept[1] and auto.accept[2] == 0.9

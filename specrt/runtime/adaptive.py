@@ -5,7 +5,8 @@ round with k drafts emits E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens and costs
 k * c_draft + c_target(k+1) (Leviathan et al. 2023, with measured rather than modelled costs).
 The controller picks the k that maximises E(k) / cost(k); k = 0 is plain decoding. When k = 0
 wins, it still probes with one draft token every `probe_every` rounds, so it can resume drafting
-once the numbers say it pays.
+once the numbers say it pays; every probe that does not restart drafting doubles the wait before the
+next (up to `max_probe_every`), so a draft that never pays costs less and less.
 """
 from __future__ import annotations
 
@@ -59,11 +60,14 @@ class AutoDraftLen:
     free_draft: bool = False  # a prompt-lookup drafter costs (next to) nothing
     decay: float = 0.85
     probe_every: int = 16
+    max_probe_every: int = 256
     accept: list[float] = field(default_factory=list)  # conditional acceptance per position
     _since_probe: int = 0
+    _gap: int = 0
     rounds_skipped: int = 0
 
     def __post_init__(self):
+        self._gap = self.probe_every
         self.accept = list(self.accept) + [self.prior] * (self.max_k - len(self.accept))
 
     def expected_tokens(self, k: int) -> float:
@@ -95,10 +99,13 @@ class AutoDraftLen:
                 best_k, best_rate = k, rate
         if best_k == 0:
             self._since_probe += 1
-            if self._since_probe >= self.probe_every:
+            if self._since_probe >= self._gap:
                 self._since_probe = 0
+                self._gap = min(2 * self._gap, self.max_probe_every)
                 return 1
             self.rounds_skipped += 1
+        else:
+            self._gap = self.probe_every
         return best_k
 
     def observe(self, proposed: int, accepted: int) -> None:
