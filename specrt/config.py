@@ -101,6 +101,9 @@ class ModelEntry:
     inputs: dict[str, dict]
     outputs: dict[str, dict]
     quantization: dict | None = None
+    # Draft with a restricted output vocabulary: an .npy of the token ids its logits rows stand for
+    # (sorted, relative to the pair folder, hashed in `files`); None = row i is token id i.
+    output_ids: str | None = None
 
     def kv_names(self, layer: int) -> tuple[str, str, str, str]:
         """(past key, past value, new key, new value) tensor names of one layer."""

@@ -315,7 +315,11 @@ def test_speculative_sampling_is_distributed_as_target(stat_pair, temperature, t
     rounds (max_new_tokens=4 lets round one draft k tokens). Checks the joint of tokens (1, 2) and the
     marginal of token 3, with EOS as its own outcome.
     """
-    pair, m = stat_pair, stat_pair.manifest
+    check_distributed_as_target(stat_pair, temperature, top_k, top_p, k)
+
+
+def check_distributed_as_target(pair, temperature, top_k, top_p, k):
+    m = pair.manifest
     V, E = m.vocab_size, EOS_ID
     cfg = SamplingConfig(temperature, top_k, top_p)
     prompt = pair.encode("alpha beta")

@@ -89,7 +89,7 @@ def _fused_linear(mods: list[nn.Linear]) -> nn.Linear:
 class DeltaKVDecoder(nn.Module):
     """`hf_model` rewritten for export; it consumes the model (projections are fused in place)."""
 
-    def __init__(self, hf_model, max_len: int = 4096):
+    def __init__(self, hf_model, max_len: int = 4096, output_ids=None):
         super().__init__()
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -102,6 +102,13 @@ class DeltaKVDecoder(nn.Module):
             raise ExportError(f"rope type {rope_type!r} depends on the sequence length and is not supported")
         self.model = hf_model.model
         self.lm_head = hf_model.lm_head
+        if output_ids is not None:  # a restricted output vocabulary: keep only these rows
+            head = hf_model.lm_head
+            rows = torch.as_tensor(output_ids, dtype=torch.int64)
+            self.lm_head = nn.Linear(head.in_features, len(rows), bias=head.bias is not None, device="meta")
+            self.lm_head.weight = nn.Parameter(head.weight.detach()[rows].clone(), requires_grad=False)
+            if head.bias is not None:
+                self.lm_head.bias = nn.Parameter(head.bias.detach()[rows].clone(), requires_grad=False)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -171,10 +178,11 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "position_ids", "attention_mask", "logit_positions", *past], ["logits", *new]
 
 
-def export_onnx(hf_model, out_path, max_len: int = 4096, opset: int = 18) -> DeltaKVDecoder:
+def export_onnx(hf_model, out_path, max_len: int = 4096, output_ids=None, opset: int = 18) -> DeltaKVDecoder:
     """Trace the delta-KV decoder of `hf_model` to `out_path` (external data for large models).
-    Positions must stay below `max_len` (the size of the rotary tables). Consumes `hf_model`."""
-    wrapper = DeltaKVDecoder(hf_model, max_len).eval()
+    Positions must stay below `max_len` (the size of the rotary tables). Consumes `hf_model`.
+    `output_ids`: logits only for these token ids (a restricted draft vocabulary)."""
+    wrapper = DeltaKVDecoder(hf_model, max_len, output_ids).eval()
     dtype = next(hf_model.parameters()).dtype
     L, Hkv, D = wrapper.num_layers, wrapper.num_kv_heads, wrapper.head_dim
     B, S, P = 1, 3, 2

@@ -29,6 +29,8 @@ class ExportConfig:
     max_draft_len: int = 8
     block_size: int = 32  # int4: weights per quantization block
     accuracy_level: int = 4  # int4: MatMulNBits compute (4 = int8 activations, fast; 0 = fp32, exact)
+    draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
+    draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
     overwrite: bool = False
 
     def __post_init__(self):
@@ -42,6 +44,15 @@ class ExportConfig:
             raise ExportError(f"block_size must be one of 16, 32, 64, 128, 256, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ExportError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
+        if self.draft_vocab < 0 or self.draft_vocab == 1:
+            raise ExportError(f"draft_vocab must be 0 (full vocabulary) or >= 2, got {self.draft_vocab}")
+        if self.draft_vocab and not self.draft:
+            raise ExportError("draft_vocab restricts the draft's output vocabulary, but no draft is given")
+        if self.draft_vocab_texts and not self.draft_vocab:
+            raise ExportError("draft_vocab_texts calibrate draft_vocab; give draft_vocab too")
+        for t in self.draft_vocab_texts:
+            if not Path(t).is_file():
+                raise ExportError(f"calibration text not found: {t}")
 
 
 def export_pair(cfg: ExportConfig, log=print) -> Manifest:
@@ -78,10 +89,14 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
         for name in TOKENIZER_FILES:
             if (tmp / "tok-target" / name).is_file():
                 shutil.copy2(tmp / "tok-target" / name, tmp / name)
+        output_ids = {}
+        if cfg.draft_vocab and cfg.draft_vocab < vocab:
+            output_ids["draft"] = draft_vocab_ids(cfg, tmp / "tokenizer.json", vocab,
+                                                  load.eos_ids(sources["target"], configs["target"]), log)
         entries = {}
         for role, src in sources.items():
             log(f"exporting {role} ({src.spec}) ...")
-            entries[role] = export_model(src, tmp / role, cfg)
+            entries[role] = export_model(src, tmp / role, cfg, output_ids.get(role))
             gc.collect()
         for role in roles:
             shutil.rmtree(tmp / f"tok-{role}")
@@ -188,8 +203,27 @@ def check_tokenizers(tok_files: dict[str, Path], widths: dict[str, int]) -> int:
     return vocab
 
 
-def export_model(src, folder: Path, cfg: ExportConfig) -> ModelEntry:
-    """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked."""
+def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always, log=print):
+    """The draft's kept output ids, counted on the calibration texts (see export/vocab.py)."""
+    from specrt.export import vocab as v
+
+    texts = list(cfg.draft_vocab_texts) or v.default_corpus()
+    counts = v.calibration_counts(tokenizer_file, texts, vocab, strict=bool(cfg.draft_vocab_texts))
+    if not counts.any():
+        raise ExportError("the calibration texts hold no tokens; give --draft-vocab-text FILE")
+    from tokenizers import Tokenizer
+
+    special = list(Tokenizer.from_file(str(tokenizer_file)).get_added_tokens_decoder())  # ids of added tokens
+    ids = v.select_ids(counts, cfg.draft_vocab, [*always, *special])
+    seen = counts[ids].sum() / counts.sum()
+    log(f"draft vocabulary: {len(ids)} of {vocab} ids, covering {seen:.1%} of {counts.sum()} calibration tokens")
+    return ids
+
+
+def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> ModelEntry:
+    """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked.
+    `output_ids`: keep only these rows of the output matrix (a restricted draft vocabulary)."""
+    import numpy as np
     import onnx
 
     from specrt.export import graph, load
@@ -197,16 +231,19 @@ def export_model(src, folder: Path, cfg: ExportConfig) -> ModelEntry:
     folder.mkdir()
     model = load.load_model(src)
     path = folder / "model.onnx"
-    wrapper = graph.export_onnx(model, path, cfg.max_len)
+    wrapper = graph.export_onnx(model, path, cfg.max_len, output_ids)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
                 num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
-                logits_width=int(model.config.vocab_size))
+                logits_width=int(model.config.vocab_size) if output_ids is None else len(output_ids))
     del model, wrapper
     gc.collect()
     _consolidate(path)
     quant = None
     if cfg.precision == "int4":
         quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level)
+    if output_ids is not None:
+        np.save(folder / "output_ids.npy", np.asarray(output_ids, np.int64))
+        spec["output_ids"] = "output_ids.npy"
     proto = onnx.load(str(path), load_external_data=False)
     for p in folder.iterdir():
         p.chmod(0o644)  # onnx writes external data owner-only; a pair folder is meant to be shared
@@ -269,6 +306,8 @@ def _io_spec(values) -> dict[str, dict]:
 
 def _relative(entry: ModelEntry, sub: str) -> ModelEntry:
     d = {**entry.__dict__, "path": f"{sub}/{entry.path}", "files": {f"{sub}/{k}": v for k, v in entry.files.items()}}
+    if entry.output_ids:
+        d["output_ids"] = f"{sub}/{entry.output_ids}"
     return ModelEntry(**d)
 
 

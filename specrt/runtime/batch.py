@@ -66,7 +66,7 @@ from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime import sampling
 from specrt.runtime.decode import Stats
-from specrt.runtime.drafters import NgramDrafter
+from specrt.runtime.drafters import NgramDrafter, expand_logits, greedy_pick
 
 PAD_ID = 0  # token fed in padded positions (their slots are masked; any id would do)
 
@@ -434,13 +434,12 @@ class BatchDecoder:
             feeds = {r: (row.seq[draft.count(r):] if step == 0 else [row.d[-1]]) for r, row in drafting}
             logits = draft.forward(feeds, last=True)
             for r, row in drafting:
-                lg = logits[r, 0, : self.vocab]
+                rows, ids = logits[r, 0], self.pair.draft_ids  # [W]
                 cfg = row.cfg
                 if cfg.sampling.greedy:
-                    t = int(lg.argmax())
-                    top = 1.0 / np.exp(lg - lg[t]).sum() if cfg.confidence_stop else 1.0
+                    t, top = greedy_pick(rows, ids, self.vocab, bool(cfg.confidence_stop))
                 else:
-                    p = sampling.warp(lg[None], cfg.sampling)[0]
+                    p = sampling.warp(expand_logits(rows, ids, self.vocab)[None], cfg.sampling)[0]
                     t = sampling.draw(p, row.rng.random())
                     top = p.max()
                     row.p.append(p)

@@ -14,13 +14,33 @@ from specrt.engines.base import Engine
 from specrt.runtime import sampling
 
 
+def expand_logits(rows: np.ndarray, ids: np.ndarray | None, vocab: int) -> np.ndarray:
+    """Draft logits [..., W] -> [..., vocab]. With a restricted output vocabulary (`ids`, see
+    export/vocab.py) row j stands for token ids[j] and every other id gets -inf, i.e. probability 0
+    after warping: the draft distribution renormalised over the kept ids, which keeps the test exact."""
+    if ids is None:
+        return rows[..., :vocab]
+    full = np.full(rows.shape[:-1] + (vocab,), -np.inf, np.float32)
+    full[..., ids] = rows
+    return full
+
+
+def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: bool) -> tuple[int, float]:
+    """(argmax token, its probability or 1.0 when not wanted) from draft logits rows [W], no expansion."""
+    lg = rows[:vocab] if ids is None else rows
+    j = int(lg.argmax())
+    top = 1.0 / np.exp(lg - lg[j]).sum() if want_top else 1.0
+    return (j if ids is None else int(ids[j])), top
+
+
 class ModelDrafter:
-    """A small draft model with its own KV cache. Its cache always holds a prefix of the sequence."""
+    """A small draft model with its own KV cache. Its cache always holds a prefix of the sequence.
+    `ids`: the token ids of its logits rows when its output vocabulary is restricted."""
 
     name = "model"
 
-    def __init__(self, engine: Engine, vocab: int):
-        self.engine, self.vocab = engine, vocab
+    def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None):
+        self.engine, self.vocab, self.ids = engine, vocab, ids
 
     def start(self, prompt: list[int]) -> None:
         self.engine.truncate(0)
@@ -33,12 +53,11 @@ class ModelDrafter:
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
         inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
         for i in range(k):
-            logits = self.engine.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0, : self.vocab]  # [V]
+            rows = self.engine.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0]  # [W]
             if cfg.greedy:
-                d[i] = logits.argmax()
-                top = 1.0 / np.exp(logits - logits[d[i]]).sum() if confidence_stop else 1.0
+                d[i], top = greedy_pick(rows, self.ids, self.vocab, bool(confidence_stop))
             else:
-                p_draft[i] = sampling.warp(logits[None], cfg)[0]
+                p_draft[i] = sampling.warp(expand_logits(rows, self.ids, self.vocab)[None], cfg)[0]
                 d[i] = sampling.draw(p_draft[i], rng.random())
                 top = p_draft[i].max()
             inp = [int(d[i])]

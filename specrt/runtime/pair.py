@@ -64,6 +64,23 @@ def _cancel_fn(cancel) -> Callable[[], bool] | None:
     raise ConfigError(f"cancel must be a threading.Event or a callable returning True to cancel, got {type(cancel).__name__}")
 
 
+def _output_ids(pair_dir: Path, entry, vocab: int):
+    """The token ids of a restricted draft's logits rows (None: row i is id i), checked."""
+    if not entry.output_ids:
+        return None
+    path = pair_dir / entry.output_ids
+    if entry.output_ids not in entry.files:
+        raise PairError(f"{path} is not among the draft's hashed files in the manifest; re-export the pair")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise PairError(f"cannot read {path}: {e}") from None
+    if (ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != entry.logits_width or not len(ids)
+            or ids[0] < 0 or ids[-1] >= vocab or (np.diff(ids) <= 0).any()):
+        raise PairError(f"{path} must list {entry.logits_width} sorted, distinct token ids below {vocab}; re-export the pair")
+    return ids.astype(np.int64)
+
+
 class Pair:
     """A loaded draft/target pair. Create with `specrt.load(pair_dir)`.
 
@@ -112,6 +129,7 @@ class Pair:
                             f"the pair's vocabulary has {m.vocab_size} ids (replaced tokenizer?); re-export the pair")
         self.target = OrtEngine(self.dir, m.target, m.max_len, m.max_draft_len + 1, threads=threads)
         self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
+        self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
         self.tuned = (m.tuned or {}) if use_tuned else {}
         # auto's prior: conditional acceptance per draft position, carried from request to request
@@ -301,7 +319,7 @@ class Pair:
             return None
         if cfg.drafter == "ngram":
             return NgramDrafter(cfg.ngram_max)
-        model = ModelDrafter(self.draft, self.manifest.vocab_size)
+        model = ModelDrafter(self.draft, self.manifest.vocab_size, self.draft_ids)
         return model if cfg.drafter == "model" else HybridDrafter(model, NgramDrafter(cfg.ngram_max))
 
     def close(self) -> None:

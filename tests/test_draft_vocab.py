@@ -1,0 +1,163 @@
+"""A draft with a restricted output vocabulary (export --draft-vocab): cheaper draft steps, same output."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from _helpers import WORDS, copy_pair, export
+from specrt.config import read_manifest, sha256_file
+from specrt.engines.ort import OrtEngine
+from specrt.errors import ExportError, PairError
+from specrt.export.pair import ExportConfig
+from specrt.export.vocab import select_ids
+
+PROMPTS = ["def add(a, b):", "hello world", "for i in range(10):"]
+
+
+def test_select_ids_by_count_then_lower_id():
+    counts = np.array([0, 5, 0, 9, 1, 5, 0])
+    assert select_ids(counts, 3, always=[]).tolist() == [1, 3, 5]  # 9, then the 5s
+    assert select_ids(counts, 4, always=[6]).tolist() == [1, 3, 5, 6]  # always kept, then by count
+    assert select_ids(counts, 6, always=[]).tolist() == [0, 1, 2, 3, 4, 5]  # unseen ids: lower id first
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(work, hf_tiny):
+    text = work / "calib.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 50 + "hello world, the quick brown fox\n" * 20)
+    export(*hf_tiny["qwen2"], work / "pair-vocab", draft_vocab=200, draft_vocab_texts=(text,))
+    return work / "pair-vocab"
+
+
+@pytest.fixture(scope="module")
+def vocab_pair(vocab_dir):
+    import specrt
+
+    with specrt.load(vocab_dir, threads=1) as pair:
+        yield pair
+
+
+def test_manifest_and_rows(vocab_dir, qwen_dir):
+    m, full = read_manifest(vocab_dir), read_manifest(qwen_dir)
+    d = m.draft
+    assert d.output_ids == "draft/output_ids.npy" and d.logits_width == 200
+    assert sha256_file(vocab_dir / d.output_ids) == d.files[d.output_ids]
+    ids = np.load(vocab_dir / d.output_ids)
+    assert len(ids) == 200 and (np.diff(ids) > 0).all() and set(m.eos_token_ids) <= set(ids.tolist())
+    assert m.target.logits_width == full.target.logits_width and m.target.output_ids is None
+    # The kept rows are exactly the full draft's logits at those ids.
+    prompt = np.array([[5, 17, 33, 9, 100]])
+    a = OrtEngine(vocab_dir, d, 64, 1, threads=1).forward(prompt, np.array([4]))[0, 0]
+    b = OrtEngine(qwen_dir, full.draft, 64, 1, threads=1).forward(prompt, np.array([4]))[0, 0]
+    np.testing.assert_allclose(a, b[ids], atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_target_only(vocab_pair, prompt, k):
+    base = vocab_pair.generate(prompt, max_new_tokens=24, draft_len=0)
+    spec = vocab_pair.generate(prompt, max_new_tokens=24, draft_len=k, drafter="model")
+    assert spec.tokens == base.tokens
+    assert spec.stats["proposed"] > 0
+
+
+def test_draft_never_proposes_a_dropped_id(vocab_pair, vocab_dir):
+    from specrt.config import SamplingConfig
+    from specrt.runtime.drafters import ModelDrafter
+
+    ids = set(np.load(vocab_dir / "draft/output_ids.npy").tolist())
+    drafter = ModelDrafter(vocab_pair.draft, vocab_pair.manifest.vocab_size, vocab_pair.draft_ids)
+    rng = np.random.default_rng(0)
+    seq = vocab_pair.encode("hello")
+    drafter.start(seq[:-1])
+    for cfg in (SamplingConfig(), SamplingConfig(temperature=1.5)):
+        for _ in range(20):
+            d, p_draft, _ = drafter.propose(seq, 4, cfg, rng)
+            assert set(d.tolist()) <= ids
+            if p_draft is not None:
+                outside = np.ones(p_draft.shape[1], bool)
+                outside[list(ids)] = False
+                assert p_draft[:, outside].sum() == 0 and np.allclose(p_draft.sum(1), 1)
+            drafter.commit(len(seq) - 1)  # the last token is always the next input
+
+
+def test_batch_equals_alone(vocab_pair):
+    from specrt.runtime.batch import BatchDecoder, Request
+
+    cfg = vocab_pair.config(max_new_tokens=16, draft_len=3, drafter="model")
+    ids = [vocab_pair.encode(p) for p in PROMPTS]
+    alone = [vocab_pair.run(p, cfg).tokens for p in ids]
+    with BatchDecoder(vocab_pair, 2) as dec:
+        got = dict(dec.run([Request(i, p, cfg) for i, p in enumerate(ids)]))
+    assert [got[i].tokens for i in range(len(ids))] == alone
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["draft"].update(output_ids="draft/missing.npy"), "not among the draft's hashed files"),
+    (lambda d: d["draft"].update(logits_width=d["draft"]["logits_width"] + 1), "must list"),
+])
+def test_bad_output_ids_are_refused(vocab_dir, tmp_path, edit, match):
+    import specrt
+
+    d = copy_pair(vocab_dir, tmp_path / "p")
+    raw = json.loads((d / "manifest.json").read_text())
+    edit(raw)
+    (d / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(PairError, match=match):
+        specrt.load(d, threads=1, check_memory=False)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(draft_vocab=-1), "draft_vocab must be 0"),
+    (dict(draft_vocab=100, draft=None), "no draft is given"),
+    (dict(draft_vocab_texts=("x.txt",)), "give draft_vocab too"),
+    (dict(draft_vocab=100, draft_vocab_texts=("/nonexistent/calib.txt",)), "calibration text not found"),
+])
+def test_export_config_validation(tmp_path, kw, match):
+    base = dict(target="t", draft="d", out=tmp_path / "o")
+    with pytest.raises(ExportError, match=match):
+        ExportConfig(**{**base, **kw})
+
+
+def test_cli_flag(hf_tiny, tmp_path):
+    from specrt.cli import main
+
+    text = tmp_path / "c.txt"
+    text.write_text("def f(x): return x\n" * 20)
+    out = tmp_path / "pair"
+    r = CliRunner().invoke(main, ["export", "--target", str(hf_tiny["qwen2"][0]), "--draft", str(hf_tiny["qwen2"][1]),
+                                  "--out", str(out), "--max-len", "64", "--draft-vocab", "150",
+                                  "--draft-vocab-text", str(text)])
+    assert r.exit_code == 0, r.output
+    assert "draft vocabulary: 150 of 320 ids" in r.output and read_manifest(out).draft.logits_width == 150
+    bad = CliRunner().invoke(main, ["export", "--target", str(hf_tiny["qwen2"][0]), "--out", str(tmp_path / "x"),
+                                    "--draft-vocab", "150"])
+    assert bad.exit_code == 2 and "no draft is given" in bad.output
+
+
+# ---------------------------------------------------------------- losslessness with a restricted draft
+
+
+@pytest.fixture(scope="module")
+def stat_vocab_pair(work):
+    """The statistical word pair whose draft keeps 7 of 11 ids (3 specials + the 4 most frequent words)."""
+    import specrt
+
+    src = work / "hf-stat"  # made by the stat_dir fixture
+    text = work / "stat-calib.txt"
+    text.write_text(" ".join(WORDS[:4] * 10))
+    export(src / "target", src / "draft", work / "pair-stat-vocab", max_len=64, max_draft_len=4, draft_vocab=7,
+           draft_vocab_texts=(text,))
+    with specrt.load(work / "pair-stat-vocab", threads=1) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 2), (0.8, 5, 0.9, 3)])
+def test_restricted_draft_sampling_is_distributed_as_target(stat_dir, stat_vocab_pair, temperature, top_k, top_p, k):
+    from test_decode import check_distributed_as_target
+
+    assert stat_vocab_pair.manifest.draft.logits_width == 7
+    check_distributed_as_target(stat_vocab_pair, temperature, top_k, top_p, k)
