@@ -93,6 +93,37 @@ def test_auto_greedy_equals_target_only(pairs, model_type):
         assert s["new_tokens"] == 1 + s["rounds"] + s["accepted"]
 
 
+def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair):
+    """hybrid + auto: the n-gram and the model proposals are judged on their own acceptance and cost
+    (a free n-gram proposal that is rarely right must not make the model draft look bad, or vice versa);
+    the pair carries each drafter's learned acceptance to its next request separately."""
+    prompt = list(range(3, 40)) + list(range(3, 20))  # repeats: the n-gram drafter has proposals
+    base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
+    res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
+    assert res.tokens == base
+    est = res.stats["acceptance_estimate"]
+    assert set(est) == {"model", "ngram"} and all(len(v) == qwen_pair.manifest.max_draft_len for v in est.values())
+    assert qwen_pair.acceptance["model"] == est["model"] and qwen_pair.acceptance["ngram"] == est["ngram"]
+    after = qwen_pair.generate(prompt, max_new_tokens=16, draft_len="auto", drafter="ngram").stats
+    assert set(after["acceptance_estimate"]) == {"ngram"} and qwen_pair.acceptance["model"] == est["model"]
+
+
+def test_catchup_pass_is_not_a_draft_step(qwen_pair):
+    """After rounds without drafting the draft model catches up in one wide pass; its time must not
+    be booked as the cost of a draft step (that would make auto skip more, and catch up more...)."""
+    from specrt.config import SamplingConfig
+    from specrt.runtime.drafters import ModelDrafter
+
+    drafter = ModelDrafter(qwen_pair.draft, qwen_pair.manifest.vocab_size)
+    seq = list(range(3, 30))
+    drafter.start(seq[:5])
+    drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
+    assert drafter.catchup_s > 0  # fed 22 tokens in its first pass
+    drafter.commit(len(seq) - 1)
+    drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
+    assert drafter.catchup_s == 0.0  # one token: an ordinary draft step
+
+
 def test_auto_greedy_is_independent_of_costs(qwen_pair, monkeypatch):
     prompt = [40, 41, 42, 43]
     base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens

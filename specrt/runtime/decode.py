@@ -35,7 +35,7 @@ class Stats:
     rounds_skipped: int = 0  # auto: rounds the guard ran without drafting
     predicted_speedup: float = 0.0  # auto/fixed: E(tokens)/cost from the cost model, vs one target pass a token
     measured_speedup: float = 0.0  # tokens / (draft + verify time) vs the measured one-token target pass
-    acceptance_estimate: list[float] = field(default_factory=list)  # auto: conditional acceptance per position at the end
+    acceptance_estimate: dict[str, list[float]] = field(default_factory=dict)  # auto: per drafter, conditional acceptance per position at the end
     new_tokens: int = 0
     prompt_tokens: int = 0
     ttft_s: float = 0.0
@@ -56,7 +56,7 @@ class Stats:
 
 def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
-           costs: CostModel | None = None, max_draft_len: int = 8, prior: list[float] | None = None
+           costs: CostModel | None = None, max_draft_len: int = 8, prior: dict[str, list[float]] | None = None
            ) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
@@ -69,16 +69,19 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
     costs = costs if costs is not None else CostModel()
-    auto = None
+    autos = {}  # draft_len "auto": one controller per drafter kind (hybrid has two), by name
     if cfg.draft_len == "auto" and drafter is not None:
-        # The controller plans with the costs as they were when the request started, so its choices (and
-        # with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
+        # The controllers plan with the costs as they were when the request started, so their choices
+        # (and with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
         # reproduces for the same snapshot. New measurements go to the shared model for later requests.
-        auto = AutoDraftLen(max_draft_len, copy.deepcopy(costs), free_draft=drafter.name == "ngram",
-                            accept=list(prior or [])[:max_draft_len])
-    k = (max_draft_len if auto else cfg.draft_len) if drafter is not None else 0
+        snapshot = copy.deepcopy(costs)
+        for name in (("model", "ngram") if drafter.name == "hybrid" else (drafter.name,)):
+            autos[name] = AutoDraftLen(max_draft_len, snapshot, free_draft=name == "ngram",
+                                       accept=list((prior or {}).get(name, []))[:max_draft_len])
+    auto = None
+    k = (max_draft_len if autos else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
-    stats = Stats(draft_len="auto" if auto else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
+    stats = Stats(draft_len="auto" if autos else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
     predicted_tokens = predicted_s = spent = 0.0
     start = time.perf_counter()
 
@@ -112,18 +115,23 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             break
         # A round emits at most k_now + 1 tokens: draft no further than max_new_tokens allows.
         limit = min(k, cfg.max_new_tokens - len(out) - 1)
+        src = drafter.pick(seq, limit) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
+        auto = autos.get(getattr(src, "name", None))
         k_now = auto.choose(limit) if auto else limit
+        if k_now == 0 and auto and src.name == "ngram" and "model" in autos:  # hybrid: the n-gram proposal does not pay
+            src, auto = drafter.model, autos["model"]
+            k_now = auto.choose(limit)
         stats.rounds += 1
 
         # 1. Draft up to k_now tokens (p_draft None: point masses, or greedy).
         d, p_draft = np.empty(0, np.int64), None
         t0 = time.perf_counter()
         if k_now:
-            d, p_draft, passes = drafter.propose(seq, k_now, cfg.sampling, rng, cfg.confidence_stop)
-            costs.observe_draft(time.perf_counter() - t0, passes)
+            d, p_draft, passes = src.propose(seq, k_now, cfg.sampling, rng, cfg.confidence_stop)
+            if passes:  # per draft step; a catch-up pass after rounds without drafting is not one
+                costs.observe_draft(time.perf_counter() - t0 - src.catchup_s, passes - (src.catchup_s > 0))
             stats.draft_passes += passes
-            used = drafter.name if drafter.name != "hybrid" else ("model" if passes else "ngram")
-            stats.rounds_by_drafter[used] = stats.rounds_by_drafter.get(used, 0) + 1
+            stats.rounds_by_drafter[src.name] = stats.rounds_by_drafter.get(src.name, 0) + 1
         k_now = len(d)
         stats.draft_len_hist[k_now] = stats.draft_len_hist.get(k_now, 0) + 1
 
@@ -162,8 +170,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     c1 = costs.target(1)
     if c1 and spent:
         stats.measured_speedup = (len(out) - 1) * c1 / spent  # tokens after the first, vs one pass each
-        if auto:
-            stats.rounds_skipped = auto.rounds_skipped
-            stats.acceptance_estimate = [round(a, 4) for a in auto.accept]
+        if autos:
+            stats.rounds_skipped = sum(a.rounds_skipped for a in autos.values())
+            stats.acceptance_estimate = {n: [round(x, 4) for x in a.accept] for n, a in autos.items()}
             stats.predicted_speedup = predicted_tokens * c1 / predicted_s if predicted_s else 0.0
     return out, reason or "length", stats

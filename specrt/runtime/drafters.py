@@ -7,6 +7,8 @@ is now committed, so a model drafter can roll its cache back.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from specrt.config import SamplingConfig
@@ -41,6 +43,10 @@ class ModelDrafter:
 
     def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None):
         self.engine, self.vocab, self.ids = engine, vocab, ids
+        self.catchup_s = 0.0  # time of the last propose's first pass when it caught up on > 2 tokens
+
+    def pick(self, seq: list[int], k: int):
+        return self
 
     def start(self, prompt: list[int]) -> None:
         self.engine.truncate(0)
@@ -52,8 +58,12 @@ class ModelDrafter:
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
         inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
+        self.catchup_s = 0.0
         for i in range(k):
+            t0 = time.perf_counter()
             rows = self.engine.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0]  # [W]
+            if len(inp) > 2:  # catching up after rounds without drafting: not the cost of a draft step
+                self.catchup_s = time.perf_counter() - t0
             if cfg.greedy:
                 d[i], top = greedy_pick(rows, self.ids, self.vocab, bool(confidence_stop))
             else:
@@ -81,8 +91,13 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    catchup_s = 0.0
+
     def start(self, prompt: list[int]) -> None:
         pass
+
+    def pick(self, seq: list[int], k: int):
+        return self
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
                 confidence_stop: float = 0.0):
@@ -113,11 +128,12 @@ class HybridDrafter:
     def start(self, prompt: list[int]) -> None:
         self.model.start(prompt)
 
+    def pick(self, seq: list[int], k: int):
+        """The drafter this round would use: the n-gram one when it has a long enough proposal."""
+        return self.ngram if len(self.ngram.lookup(seq, k)) >= min(self.min_len, k) else self.model
+
     def propose(self, seq, k, cfg, rng, confidence_stop: float = 0.0):
-        d = self.ngram.lookup(seq, k)
-        if len(d) >= min(self.min_len, k):
-            return d, None, 0
-        return self.model.propose(seq, k, cfg, rng, confidence_stop)
+        return self.pick(seq, k).propose(seq, k, cfg, rng, confidence_stop)
 
     def commit(self, valid: int) -> None:
         self.model.commit(valid)

@@ -133,7 +133,10 @@ class Pair:
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
         self.tuned = (m.tuned or {}) if use_tuned else {}
         # auto's prior: conditional acceptance per draft position, carried from request to request
-        self.acceptance: list[float] = list(self.tuned.get("acceptance", []))
+        self.acceptance: dict[str, list[float]] = {}  # per drafter kind ("model", "ngram")
+        if self.tuned.get("acceptance"):
+            kind = "ngram" if self.tuned.get("drafter") == "ngram" else "model"
+            self.acceptance[kind] = list(self.tuned["acceptance"])
         if self.tuned:
             if self.tuned.get("graphs") != m.graph_hashes():
                 raise PairError(f"the tuned settings in {self.dir}/manifest.json were measured on other graphs "
@@ -299,8 +302,7 @@ class Pair:
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
                                        self.acceptance)
-        if stats.acceptance_estimate:  # the next request starts from what this one learned
-            self.acceptance = stats.acceptance_estimate
+        self.acceptance.update(stats.acceptance_estimate)  # the next request starts from what this one learned
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)
