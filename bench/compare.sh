@@ -21,6 +21,9 @@ run python bench/peers/llamacpp_peer.py --pld 2,10 --repeats 3 --limit $LIMIT --
 run python bench/peers/transformers_peer.py --settings target,assisted-k4 --repeats 1 --limit $LIMIT \
     --json $OUT/peer_transformers.json
 # all prompt classes (code, edit, chat) for specrt's drafters
-run specrt bench $INT4 --prompts $P --draft-lens 0,3,auto --drafters model,ngram,hybrid --repeats 2 \
+run specrt bench $INT4 --prompts $P --draft-lens 0,2,3,auto --drafters model,ngram,hybrid --repeats 2 \
     --max-new-tokens 128 --json $OUT/specrt_int4_classes.json
+# batched decoding: aggregate tokens/s per batch size (32 short requests)
+run specrt bench $INT4 --prompts bench/prompts/batch.jsonl --batch-sizes 1,2,4,8 --draft-lens 0,2 \
+    --max-new-tokens 64 --repeats 1 --json $OUT/specrt_int4_batch.json
 python bench/render_results.py $OUT > $OUT/tables.md && echo "wrote $OUT/tables.md"

@@ -18,6 +18,19 @@ def specrt_table(name, res):
     return "\n".join(lines)
 
 
+def batch_table(name, res):
+    lines = [f"**{name}** ({res['prompts']} requests x {res['repeats']} repeats, {res['max_new_tokens']} new tokens, "
+             f"temperature {res['temperature']}, drafter {res['drafter']}, peak RSS {res['peak_rss_mb']:.0f} MB)", "",
+             "| draft_len | batch | aggregate tok/s | vs batch 1 target-only | speculation gain at this batch | "
+             "acceptance | tokens/target pass | occupancy | mean latency s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        gain = "" if r["speculation_gain"] is None else f"{r['speculation_gain']:.2f}x"
+        lines.append(f"| {r['draft_len']} | {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {gain} | "
+                     f"{r['acceptance_rate']:.0%} | {r['tokens_per_target_pass']:.2f} | {r['occupancy']:.0%} | "
+                     f"{r['mean_latency_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def peer_table(name, res):
     rows = res["rows"]
     base = rows[0]["tokens_per_s"]
@@ -36,7 +49,8 @@ def main(folder):
     if (folder / "when.txt").exists():
         out.append(f"Measured {(folder / 'when.txt').read_text().strip()}.\n")
     for f in sorted(folder.glob("specrt_*.json")):
-        out += [specrt_table(f.stem, json.loads(f.read_text())), ""]
+        res = json.loads(f.read_text())
+        out += [(batch_table if res.get("mode") == "batch" else specrt_table)(f.stem, res), ""]
     for f in sorted(folder.glob("peer_*.json")):
         out += [peer_table(f.stem, json.loads(f.read_text())), ""]
     print("\n".join(out))
