@@ -23,9 +23,9 @@ else
     specrt export --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
       --out "$PAIR" --precision int4 --draft-vocab 49152 --max-len 2048 --overwrite
   fi
-  K=3
+  K=2
 fi
 echo "== speculative (draft_len $K) =="
 specrt generate "$PAIR" --chat --prompt "$PROMPT" --max-new-tokens 128 --draft-len "$K"
-echo "== target-only vs speculative, same prompt, same process, median of 3 =="
-specrt bench "$PAIR" --prompt "$PROMPT" --draft-lens "0,$K" --max-new-tokens 128 --repeats 3
+echo "== target-only vs speculative (fixed and auto), same prompt, same process, median of 3 =="
+specrt bench "$PAIR" --prompt "$PROMPT" --draft-lens "0,$K,auto" --max-new-tokens 128 --repeats 3

@@ -90,7 +90,9 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
             if (tmp / "tok-target" / name).is_file():
                 shutil.copy2(tmp / "tok-target" / name, tmp / name)
         output_ids = {}
-        if cfg.draft_vocab and cfg.draft_vocab < vocab:
+        if cfg.draft_vocab >= vocab:
+            log(f"draft vocabulary: --draft-vocab {cfg.draft_vocab} >= the {vocab} ids of the pair, keeping them all")
+        elif cfg.draft_vocab:
             output_ids["draft"] = draft_vocab_ids(cfg, tmp / "tokenizer.json", vocab,
                                                   load.eos_ids(sources["target"], configs["target"]), log)
         entries = {}
@@ -216,7 +218,8 @@ def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always,
     special = list(Tokenizer.from_file(str(tokenizer_file)).get_added_tokens_decoder())  # ids of added tokens
     ids = v.select_ids(counts, cfg.draft_vocab, [*always, *special])
     seen = counts[ids].sum() / counts.sum()
-    log(f"draft vocabulary: {len(ids)} of {vocab} ids, covering {seen:.1%} of {counts.sum()} calibration tokens")
+    log(f"draft vocabulary: {len(ids)} of {vocab} ids, covering {seen:.1%} of {counts.sum()} calibration tokens "
+        f"({int((counts > 0).sum())} distinct)")
     return ids
 
 

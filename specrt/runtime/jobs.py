@@ -340,20 +340,31 @@ def result_record(rid, res) -> dict:
 
 class Runner:
     """Decodes requests on one loaded pair with a fixed batch size, or "auto": the first records run at
-    each of AUTO_SIZES in turn (their results are kept), and the fastest aggregate tokens/s wins."""
+    each of AUTO_SIZES in turn (their results are kept), and the fastest aggregate tokens/s wins.
 
-    def __init__(self, pair, batch_size: int | str, log=None):
+    `try_plain`: with "auto", also time each size without drafting (draft_len 0) and keep whichever of
+    the two is faster there. Batching and speculation compete for the same spare compute: measured on
+    the int4 pair, drafting pays at batch 1 and costs from batch 2 on (bench/RESULTS.md). Only for jobs
+    whose draft length is the pair's default, not one the user asked for."""
+
+    def __init__(self, pair, batch_size: int | str, log=None, try_plain: bool = False):
         self.pair, self.log = pair, log or (lambda s: None)
         self.chosen = None if batch_size == "auto" else int(batch_size)
-        self.measured: dict[int, float] = {}
+        self.plain = False  # chosen: decode without drafting
+        self.try_plain = try_plain
+        self.measured: dict[tuple[int, bool], float] = {}
         self._dec = None
 
+    def _cfg(self, cfg: GenerationConfig, plain: bool) -> GenerationConfig:
+        return replace(cfg, draft_len=0) if plain and cfg.draft_len else cfg
+
     def results(self, requests):
-        from specrt.runtime.batch import BatchDecoder
+        from specrt.runtime.batch import BatchDecoder, Request
 
         reqs, i = list(requests), 0
         if self.chosen is None:
-            for b in AUTO_SIZES:
+            trials = [(b, plain) for b in AUTO_SIZES for plain in ((False, True) if self.try_plain else (False,))]
+            for b, plain in trials:
                 n = max(2 * b, 4)
                 if len(reqs) - i < n:
                     break
@@ -364,15 +375,16 @@ class Runner:
                     self.log(f"batch size auto: {b} skipped ({e})")
                     break
                 with dec:
-                    for key, res in dec.run(reqs[i:i + n]):
+                    for key, res in dec.run([Request(r.key, r.prompt, self._cfg(r.cfg, plain)) for r in reqs[i:i + n]]):
                         tokens += len(res.tokens)
                         yield key, res
-                self.measured[b] = tokens / (time.perf_counter() - t0)
+                self.measured[(b, plain)] = tokens / (time.perf_counter() - t0)
                 i += n
             if self.measured:
-                self.chosen = max(self.measured, key=self.measured.get)
-                self.log("batch size auto: " + ", ".join(f"{b}: {v:.1f} tok/s" for b, v in self.measured.items())
-                         + f" -> {self.chosen}")
+                self.chosen, self.plain = max(self.measured, key=self.measured.get)
+                self.log("batch size auto: " + ", ".join(f"{b}{' plain' if pl else ''}: {v:.1f} tok/s"
+                                                         for (b, pl), v in self.measured.items())
+                         + f" -> {self.chosen}{' without drafting' if self.plain else ''}")
             else:
                 self.chosen = max(1, min(4, len(reqs)))
                 self.log(f"batch size auto: too few records to measure, using {self.chosen}")
@@ -380,7 +392,7 @@ class Runner:
             if self._dec is None or self._dec.B != self.chosen:
                 self.close()
                 self._dec = BatchDecoder(self.pair, self.chosen)
-            yield from self._dec.run(reqs[i:])
+            yield from self._dec.run(Request(r.key, r.prompt, self._cfg(r.cfg, self.plain)) for r in reqs[i:])
 
     def close(self) -> None:
         if self._dec is not None:
@@ -480,7 +492,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             from specrt.runtime.batch import Request
 
             ids = {r.key: r.id for r in pending}
-            runner = Runner(pair, batch_size, log)
+            runner = Runner(pair, batch_size, log, try_plain=settings.draft_len is None and s.draft_len > 0)
             try:
                 for key, res in runner.results(Request(r.key, r.prompt, r.cfg) for r in pending):
                     out.write(result_record(ids[key], res))
