@@ -57,6 +57,18 @@ def test_auto_controller_choices():
     assert auto.accept[0] > 0.9 > auto.accept[1] and auto.accept[2] == 0.9
 
 
+def test_auto_re_measures_positions_past_its_choice():
+    """A pessimistic estimate at position 2 must not stick: every 8 rounds one more token is drafted,
+    and once position 2 is seen accepted again, k=2 wins back."""
+    costs = FrozenCosts(draft_s=0.34, target_s={1: 1.0, 2: 1.15, 3: 1.3})
+    auto = AutoDraftLen(4, costs, accept=[0.9, 0.3, 0.3, 0.3])
+    picks = [auto.choose(4) for _ in range(16)]
+    assert picks.count(2) == 2 and set(picks) == {1, 2} and picks[7] == picks[15] == 2
+    for _ in range(12):
+        auto.observe(2, 2)  # the wider rounds see position 2 accepted
+    assert auto.choose(4) >= 2
+
+
 def test_cost_model_interpolates():
     c = CostModel()
     assert c.target(3) is None

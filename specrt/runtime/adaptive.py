@@ -6,7 +6,9 @@ k * c_draft + c_target(k+1) (Leviathan et al. 2023, with measured rather than mo
 The controller picks the k that maximises E(k) / cost(k); k = 0 is plain decoding. When k = 0
 wins, it still probes with one draft token every `probe_every` rounds, so it can resume drafting
 once the numbers say it pays; every probe that does not restart drafting doubles the wait before the
-next (up to `max_probe_every`), so a draft that never pays costs less and less.
+next (up to `max_probe_every`), so a draft that never pays costs less and less. Likewise, positions
+past the chosen k are never observed, so a pessimistic estimate there would stick: every
+`widen_every` rounds the controller drafts one token more than it would, to measure it again.
 """
 from __future__ import annotations
 
@@ -61,9 +63,11 @@ class AutoDraftLen:
     decay: float = 0.85
     probe_every: int = 16
     max_probe_every: int = 256
+    widen_every: int = 8
     accept: list[float] = field(default_factory=list)  # conditional acceptance per position
     _since_probe: int = 0
     _gap: int = 0
+    _since_widen: int = 0
     rounds_skipped: int = 0
 
     def __post_init__(self):
@@ -106,6 +110,10 @@ class AutoDraftLen:
             self.rounds_skipped += 1
         else:
             self._gap = self.probe_every
+            self._since_widen += 1
+            if best_k < limit and self._since_widen >= self.widen_every:
+                self._since_widen = 0
+                return best_k + 1
         return best_k
 
     def observe(self, proposed: int, accepted: int) -> None:
