@@ -487,12 +487,14 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         if summary["skipped"]:
             log(f"resuming: {summary['skipped']} of {len(records)} records already in {output_path}")
         bar = _Progress(len(pending), progress and bool(pending))
+        # auto may also decode without drafting, if that is faster, unless the user chose a draft length
+        try_plain = settings.draft_len is None and s.draft_len > 0
         t0 = time.perf_counter()
         if pair is not None:
             from specrt.runtime.batch import Request
 
             ids = {r.key: r.id for r in pending}
-            runner = Runner(pair, batch_size, log, try_plain=settings.draft_len is None and s.draft_len > 0)
+            runner = Runner(pair, batch_size, log, try_plain)
             try:
                 for key, res in runner.results(Request(r.key, r.prompt, r.cfg) for r in pending):
                     out.write(result_record(ids[key], res))
@@ -502,7 +504,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             summary["batch_size"] = runner.chosen
         elif ray is not None:
             summary["batch_size"] = _run_ray(ray, pair_dir, pending, batch_size, out, bar, ray_actors,
-                                             ray_cpus_per_actor, log)
+                                             ray_cpus_per_actor, log, try_plain)
         else:
             log(f"nothing to run: all {len(records)} records are in {output_path}")
         summary["wall_s"] = time.perf_counter() - t0
@@ -530,11 +532,11 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 class RayWorker:
     """A Ray actor (wrapped by ray.remote at run time): loads the pair once, decodes shards."""
 
-    def __init__(self, pair_dir: str, batch_size, threads: int):
+    def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False):
         import specrt
 
         self.pair = specrt.load(pair_dir, threads=threads)
-        self.runner = Runner(self.pair, batch_size)
+        self.runner = Runner(self.pair, batch_size, try_plain=try_plain)
 
     def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:
         from specrt.runtime.batch import Request
@@ -578,7 +580,7 @@ def _ray_start(address: str, init: dict | None):
 
 
 def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOutput, bar: _Progress,
-             actors: int | None, cpus_per_actor: int, log) -> int | str:
+             actors: int | None, cpus_per_actor: int, log, try_plain: bool = False) -> int | str:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     n = actors or max(1, cpus // cpus_per_actor)
     size = 32 if batch_size == "auto" else max(8, 4 * int(batch_size))
@@ -586,7 +588,7 @@ def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOut
     shards = [pending[i:i + size] for i in range(0, len(pending), size)]
     log(f"ray: {n} actors x {cpus_per_actor} CPU, {len(shards)} shards of <= {size} records")
     Worker = ray.remote(num_cpus=cpus_per_actor)(RayWorker)
-    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor) for _ in range(n)]
+    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, try_plain) for _ in range(n)]
     ids = {r.key: r.id for r in pending}
     queue = list(reversed(shards))
     inflight = {}
