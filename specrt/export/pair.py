@@ -207,14 +207,14 @@ def check_tokenizers(tok_files: dict[str, Path], widths: dict[str, int]) -> int:
 
 def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always, log=print):
     """The draft's kept output ids, counted on the calibration texts (see export/vocab.py)."""
+    from tokenizers import Tokenizer
+
     from specrt.export import vocab as v
 
     texts = list(cfg.draft_vocab_texts) or v.default_corpus()
     counts = v.calibration_counts(tokenizer_file, texts, vocab, strict=bool(cfg.draft_vocab_texts))
     if not counts.any():
         raise ExportError("the calibration texts hold no tokens; give --draft-vocab-text FILE")
-    from tokenizers import Tokenizer
-
     special = list(Tokenizer.from_file(str(tokenizer_file)).get_added_tokens_decoder())  # ids of added tokens
     ids = v.select_ids(counts, cfg.draft_vocab, [*always, *special])
     seen = counts[ids].sum() / counts.sum()
