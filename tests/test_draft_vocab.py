@@ -161,3 +161,11 @@ def test_restricted_draft_sampling_is_distributed_as_target(stat_dir, stat_vocab
 
     assert stat_vocab_pair.manifest.draft.logits_width == 7
     check_distributed_as_target(stat_vocab_pair, temperature, top_k, top_p, k)
+
+
+def test_empty_calibration_text_is_refused(hf_tiny, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ExportError, match="hold no tokens"):
+        export(*hf_tiny["qwen2"], tmp_path / "pair", draft_vocab=100, draft_vocab_texts=(empty,))
+    assert not (tmp_path / "pair").exists()
