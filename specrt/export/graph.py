@@ -51,7 +51,8 @@ class _Reshape(torch.autograd.Function):
 
 class _Rotary(torch.autograd.Function):
     """Rotary embedding (half rotation) of x [B, S, N*D] at positions [B, S]: onnxruntime's
-    com.microsoft RotaryEmbedding over precomputed cos/sin tables [max_len, D/2]."""
+    com.microsoft RotaryEmbedding over precomputed cos/sin tables [max_len, D/2]. A contrib op:
+    a TensorRT export (issue 7) must trace `forward` instead (standard Gather/Mul/Add ops)."""
 
     @staticmethod
     def forward(ctx, x, positions, cos_table, sin_table, num_heads):
