@@ -64,7 +64,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     `on_tokens(new)` sees each batch of accepted tokens (EOS excluded) and returns True to stop.
     Only the first `vocab` logits are used, which masks padding rows of larger output matrices.
     `costs` collects measured pass times (shared across requests); with draft_len "auto" an
-    AutoDraftLen controller picks each round's k from them and from the acceptance seen so far.
+    AutoDraftLen controller per drafter kind picks each round's k from them and from the acceptance
+    seen so far (`prior`: what earlier requests learned, by drafter kind).
     """
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
@@ -78,7 +79,6 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         for name in (("model", "ngram") if drafter.name == "hybrid" else (drafter.name,)):
             autos[name] = AutoDraftLen(max_draft_len, snapshot, free_draft=name == "ngram",
                                        accept=list((prior or {}).get(name, []))[:max_draft_len])
-    auto = None
     k = (max_draft_len if autos else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
     stats = Stats(draft_len="auto" if autos else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))

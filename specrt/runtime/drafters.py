@@ -91,8 +91,6 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    catchup_s = 0.0
-
     def start(self, prompt: list[int]) -> None:
         pass
 
