@@ -120,6 +120,26 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair):
     assert set(after["acceptance_estimate"]) == {"ngram"} and qwen_pair.acceptance["model"] == est["model"]
 
 
+@pytest.mark.parametrize("better,draft_s", [("model", 0.05), ("ngram", 1.5)])
+def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypatch, better, draft_s):
+    """An n-gram proposal that pays (vs plain decoding) must still give way to the model draft when the
+    model's expected tokens per second are higher (a cheap, mostly-right draft), and win when the model
+    draft costs more than it brings."""
+    from specrt.runtime.drafters import NgramDrafter
+
+    prompt = list(range(3, 40))
+    base = qwen_pair.generate(prompt, max_new_tokens=40, draft_len=0).tokens
+    # an n-gram proposal at every round (a poor one: it must not crowd out a better model draft)
+    monkeypatch.setattr(NgramDrafter, "lookup", lambda self, seq, k: np.full(k, 5, np.int64))
+    monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=draft_s, target_s={1: 1.0, 9: 1.0}))
+    monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.99] * 8, "ngram": [0.3] * 8})
+    res = qwen_pair.generate(prompt, max_new_tokens=40, draft_len="auto", drafter="hybrid")
+    assert res.tokens == base
+    used = res.stats["rounds_by_drafter"]
+    worse = "ngram" if better == "model" else "model"
+    assert used.get(better, 0) > 3 * used.get(worse, 0), used
+
+
 def test_catchup_pass_is_not_a_draft_step(qwen_pair):
     """After rounds without drafting the draft model catches up in one wide pass; its time must not
     be booked as the cost of a draft step (that would make auto skip more, and catch up more...)."""

@@ -87,20 +87,29 @@ class AutoDraftLen:
         draft_s = 0.0 if self.free_draft else (self.costs.draft_s or 0.0)
         return (target or 0.0) + k * draft_s
 
-    def choose(self, limit: int) -> int:
-        """Draft length for the next round, at most `limit`."""
+    def best(self, limit: int) -> tuple[int, float | None]:
+        """(the k <= limit with the highest expected tokens per second, that rate); rate None while
+        nothing is measured yet. No side effects (choose adds the probing and widening)."""
         limit = min(limit, self.max_k)
         c1 = self.costs.target(1)
-        if limit <= 0:
-            return 0
         draft_s = 0.0 if self.free_draft else self.costs.draft_s
         if c1 is None or draft_s is None:
-            return min(limit, 2)  # nothing measured yet: a short draft measures both costs
+            return min(max(limit, 0), 2), None  # nothing measured yet: a short draft measures both costs
         best_k, best_rate = 0, 1.0 / c1
         for k in range(1, limit + 1):
             rate = self.expected_tokens(k) / self.cost(k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def choose(self, limit: int) -> int:
+        """Draft length for the next round, at most `limit`."""
+        limit = min(limit, self.max_k)
+        if limit <= 0:
+            return 0
+        best_k, rate = self.best(limit)
+        if rate is None:
+            return best_k
         if best_k == 0:
             self._since_probe += 1
             if self._since_probe >= self._gap:

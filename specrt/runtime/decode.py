@@ -117,6 +117,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         limit = min(k, cfg.max_new_tokens - len(out) - 1)
         src = drafter.pick(seq, limit) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
         auto = autos.get(getattr(src, "name", None))
+        if auto and src.name == "ngram" and "model" in autos:  # hybrid: use the proposal expected to pay more
+            rates = [a.best(limit)[1] for a in (auto, autos["model"])]
+            if None not in rates and rates[1] > rates[0]:
+                src, auto = drafter.model, autos["model"]
         k_now = auto.choose(limit) if auto else limit
         if k_now == 0 and auto and src.name == "ngram" and "model" in autos:  # hybrid: the n-gram proposal does not pay
             src, auto = drafter.model, autos["model"]
