@@ -49,6 +49,8 @@ def main():
 @click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per quantization block.")
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="int4: MatMulNBits compute, 4 = int8 activations (fast), 0 = fp32 (one-token and verify passes agree to ~1e-5).")
+@click.option("--asymmetric", is_flag=True,
+              help="int4: a 4-bit zero point per block as well as a scale (closer to the weights, same speed).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
 @click.option("--draft-vocab", type=int, default=0, show_default=True,
               help="Keep only the N most frequent token ids in the draft's output matrix (0 = all); a cheaper "
@@ -56,14 +58,14 @@ def main():
 @click.option("--draft-vocab-text", "draft_vocab_texts", type=click.Path(path_type=Path), multiple=True,
               help="Calibration text for --draft-vocab (repeatable; default: Python's standard library sources).")
 @_errors
-def export(target, draft, out, precision, max_draft_len, max_len, block_size, accuracy_level, draft_vocab,
-           draft_vocab_texts, overwrite):
+def export(target, draft, out, precision, max_draft_len, max_len, block_size, accuracy_level, asymmetric,
+           draft_vocab, draft_vocab_texts, overwrite):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
     from specrt.export.pair import ExportConfig, export_pair
 
     cfg = ExportConfig(target=target, draft=draft, out=out, precision=precision, max_len=max_len,
                        max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
-                       draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts), overwrite=overwrite)
+                       symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts), overwrite=overwrite)
     m = export_pair(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
 

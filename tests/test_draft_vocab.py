@@ -169,3 +169,31 @@ def test_empty_calibration_text_is_refused(hf_tiny, tmp_path):
     with pytest.raises(ExportError, match="hold no tokens"):
         export(*hf_tiny["qwen2"], tmp_path / "pair", draft_vocab=100, draft_vocab_texts=(empty,))
     assert not (tmp_path / "pair").exists()
+
+
+def test_mismatched_draft_script_and_guard(vocab_dir, vocab_pair, tmp_path):
+    """bench/make_mismatched.py (the guard's benchmark pair) shifts every draft row to the wrong id:
+    the copy loads (hashes updated), output is unchanged, acceptance collapses, and auto stops drafting."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import specrt
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "make_mismatched.py"
+    dst = tmp_path / "mis"
+    r = subprocess.run([sys.executable, str(script), str(vocab_dir), str(dst)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (np.load(dst / "draft/output_ids.npy") == np.load(vocab_dir / "draft/output_ids.npy") + 1).all()
+    good = vocab_pair.generate("def f(x):", max_new_tokens=40, draft_len=2, drafter="model").stats
+    with specrt.load(dst, threads=1) as mis:
+        base = mis.generate("def f(x):", max_new_tokens=40, draft_len=0).tokens
+        fixed = mis.generate("def f(x):", max_new_tokens=40, draft_len=2, drafter="model")
+        assert fixed.tokens == base
+        assert fixed.stats["acceptance_rate"] < good["acceptance_rate"]
+        auto = mis.generate("def f(x):", max_new_tokens=40, draft_len="auto", drafter="model")
+        assert auto.tokens == base
+        assert auto.stats["rounds_skipped"] >= auto.stats["rounds"] / 2, auto.stats["draft_len_hist"]
+    r = subprocess.run([sys.executable, str(script), str(dst / "nowhere"), str(tmp_path / "x")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr

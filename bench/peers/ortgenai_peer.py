@@ -57,18 +57,20 @@ def save_hf(name: str, out: Path):
     print(f"saved {name} -> {out} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
 
 
-def prepare_model(name: str, workdir: Path, precision: str, accuracy_level: int | None, timeout: int) -> Path:
+def prepare_model(name: str, workdir: Path, precision: str, accuracy_level: int | None, timeout: int,
+                  block_size: int | None = None) -> Path:
     hf = workdir / "hf" / name
     if not (hf / "config.json").exists():
         hf.parent.mkdir(parents=True, exist_ok=True)
         r = subprocess.run([sys.executable, __file__, "--_save-hf", name, str(hf)], timeout=timeout)
         if r.returncode or not (hf / "config.json").exists():
             C.die(f"saving {name} as a Hugging Face folder failed (exit {r.returncode})")
-    tag = precision + (f"-acc{accuracy_level}" if accuracy_level is not None else "")
+    tag = precision + (f"-acc{accuracy_level}" if accuracy_level is not None else "") + (f"-b{block_size}" if block_size else "")
     out = workdir / "ortgenai" / f"{name}-{tag}"
     if not (out / ".complete").exists():
         shutil.rmtree(out, ignore_errors=True)
         extra = ["hf_token=false"] + ([f"accuracy_level={accuracy_level}"] if accuracy_level is not None else [])
+        extra += [f"block_size={block_size}"] if block_size else []
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
                "-p", precision, "-e", "cpu", "-c", str(workdir / "builder-cache"), "--extra_options", *extra]
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
@@ -133,6 +135,8 @@ def main():
     p.add_argument("--precision", default="int4", choices=["int4", "int8", "fp32"])
     p.add_argument("--accuracy-level", type=int, default=None,
                    help="builder accuracy_level (default: builder's own, 4 = int8 activations on CPU)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="builder block_size for MatMulNBits (default: the builder's own, 32)")
     p.add_argument("--prepare-only", action="store_true", help="build the models and run folders, measure nothing")
     p.add_argument("--build-timeout", type=int, default=3600)
     p.add_argument("--target", default=C.TARGET)
@@ -148,9 +152,11 @@ def main():
     prompts = C.read_prompts(args.prompts, args.limit)
 
     t0 = time.perf_counter()
-    tdir = prepare_model(args.target, args.workdir, args.precision, args.accuracy_level, args.build_timeout)
-    ddir = prepare_model(args.draft, args.workdir, args.precision, args.accuracy_level, args.build_timeout) if ks else None
-    tag = f"{args.precision}{'' if args.accuracy_level is None else f'-acc{args.accuracy_level}'}-t{args.threads}"
+    tdir = prepare_model(args.target, args.workdir, args.precision, args.accuracy_level, args.build_timeout, args.block_size)
+    ddir = (prepare_model(args.draft, args.workdir, args.precision, args.accuracy_level, args.build_timeout, args.block_size)
+            if ks else None)
+    tag = (f"{args.precision}{'' if args.accuracy_level is None else f'-acc{args.accuracy_level}'}"
+           f"{f'-b{args.block_size}' if args.block_size else ''}-t{args.threads}")
     run_t, run_s = make_run_dirs(tdir, ddir or tdir, args.workdir, args.threads, max(ks or [1]), tag)
     print(f"prepared in {time.perf_counter() - t0:.1f} s: {run_t} {run_s}", file=sys.stderr, flush=True)
     if args.prepare_only:
@@ -235,6 +241,7 @@ def main():
             row["speculative_stats_sum"] = spec_totals[row["setting"]]
     C.finish(args, {"peer": "onnxruntime-genai", "onnxruntime_genai": og.__version__, "precision": args.precision,
                     "accuracy_level": args.accuracy_level if args.accuracy_level is not None else "builder default (4 on CPU)",
+                    "block_size": args.block_size or "builder default (32)",
                     "target_dir": str(run_t), "spec_dir": str(run_s) if ks else None,
                     "prompt_tokens": [int(len(x)) for x in prompt_ids],
                     "notes": "acceptance = draft_tokens_accepted / draft_tokens_evaluated from get_speculative_stats(); "

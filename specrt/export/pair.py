@@ -29,6 +29,7 @@ class ExportConfig:
     max_draft_len: int = 8
     block_size: int = 32  # int4: weights per quantization block
     accuracy_level: int = 4  # int4: MatMulNBits compute (4 = int8 activations, fast; 0 = fp32, exact)
+    symmetric: bool = True  # int4: False adds a 4-bit zero point per block (closer to the weights, same speed)
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
     overwrite: bool = False
@@ -243,7 +244,7 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     _consolidate(path)
     quant = None
     if cfg.precision == "int4":
-        quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level)
+        quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric)
     if output_ids is not None:
         np.save(folder / "output_ids.npy", np.asarray(output_ids, np.int64))
         spec["output_ids"] = "output_ids.npy"
@@ -274,7 +275,7 @@ def _consolidate(path: Path) -> None:
                     location=path.name + ".data", size_threshold=1024)
 
 
-def quantize_int4(path: Path, block_size: int, accuracy_level: int) -> dict:
+def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: bool = True) -> dict:
     """Weight-only int4 (onnxruntime's MatMulNBits) for every MatMul with a constant weight."""
     import logging
 
@@ -283,8 +284,8 @@ def quantize_int4(path: Path, block_size: int, accuracy_level: int) -> dict:
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(path))
-    algo = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level)
-    q = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
+    algo = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level)
+    q = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
                              algo_config=algo)
     q.process()
     del model
@@ -293,7 +294,7 @@ def quantize_int4(path: Path, block_size: int, accuracy_level: int) -> dict:
     q.model.save_model_to_file(str(path), use_external_data_format=True)
     _consolidate(path)
     return {"method": "MatMulNBits", "bits": 4, "block_size": block_size, "accuracy_level": accuracy_level,
-            "symmetric": True}
+            "symmetric": symmetric}
 
 
 def _io_spec(values) -> dict[str, dict]:
