@@ -335,6 +335,31 @@ def test_int4_manifest_and_graph(request, which, level):
                 assert (attrs["bits"], attrs["block_size"], attrs.get("accuracy_level", 0)) == (4, 32, level)
 
 
+def test_int4_asymmetric_blocks(work, hf_tiny, qwen_pair):
+    """--asymmetric --block-size 128: zero points in the graph, recorded in the manifest; the logits stay
+    as close to fp32 as symmetric int4's, and (accuracy level 0) speculative greedy equals target-only."""
+    import onnx
+
+    import specrt
+
+    d = work / "pair-int4-asym"
+    export(*hf_tiny["qwen2"], d, precision="int4", block_size=128, symmetric=False, accuracy_level=0)
+    m = read_manifest(d)
+    assert m.target.quantization == {"method": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 0,
+                                     "symmetric": False}
+    proto = onnx.load(str(d / m.target.path), load_external_data=False)
+    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(len(n.input) >= 4 and n.input[3] for n in nbits)  # A, B, scales, zero_points
+    ids = np.array([[40, 41, 42, 43, 44, 45]])
+    with specrt.load(d, threads=1) as pair:
+        pair.target.truncate(0), qwen_pair.target.truncate(0)
+        a = pair.target.forward(ids, np.array([5]))[0, 0, :320].copy()
+        b = qwen_pair.target.forward(ids, np.array([5]))[0, 0, :320].copy()
+        assert np.corrcoef(a, b)[0, 1] > 0.5
+        base = pair.generate("def quicksort(xs):", max_new_tokens=32, draft_len=0).tokens
+        assert pair.generate("def quicksort(xs):", max_new_tokens=32, draft_len=4).tokens == base
+
+
 def test_int4_logits_close_to_fp32(int4_pair, qwen_pair):
     ids = np.array([[40, 41, 42, 43, 44, 45]])
     int4_pair.target.truncate(0), qwen_pair.target.truncate(0)
