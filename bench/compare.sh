@@ -3,6 +3,7 @@
 # Runs one thing at a time (2 cores: anything else running skews every number) and writes
 # bench/results/*.json; bench/render_results.py turns them into bench/RESULTS.md tables.
 #   bash bench/compare.sh            (needs: scripts/demo.sh run once, the fp32 pair exported, peers installed)
+#   SKIP_FP32=1 SKIP_TRANSFORMERS=1 bash bench/compare.sh    (without the two slowest runs: ~25 min less)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=bench/results
@@ -14,15 +15,22 @@ run() { echo "== $* ($(date +%T))"; timeout 2400 "$@" || echo "!! failed: $*"; }
 date -u +%FT%TZ > $OUT/when.txt
 run specrt bench $INT4 --prompts $P --draft-lens 0,2,3,4,auto --drafters model --repeats 3 --max-new-tokens 128 \
     --limit $LIMIT --json $OUT/specrt_int4_code.json
-run specrt bench $FP32 --prompts $P --draft-lens 0,3,4,auto --repeats 3 --max-new-tokens 128 \
+[ -n "${SKIP_FP32:-}" ] || run specrt bench $FP32 --prompts $P --draft-lens 0,3,4,auto --repeats 3 --max-new-tokens 128 \
     --limit $LIMIT --json $OUT/specrt_fp32_code.json
 run python bench/peers/ortgenai_peer.py --k 3,4 --repeats 3 --limit $LIMIT --json $OUT/peer_ortgenai.json
+# the builder's int4 at specrt's default block size too (its own default is 32)
+run python bench/peers/ortgenai_peer.py --k 3,4 --repeats 3 --limit $LIMIT --block-size 128 \
+    --json $OUT/peer_ortgenai_b128.json
 run python bench/peers/llamacpp_peer.py --pld 2,10 --repeats 3 --limit $LIMIT --json $OUT/peer_llamacpp.json
-run python bench/peers/transformers_peer.py --settings target,assisted-k4 --repeats 1 --limit $LIMIT \
+[ -n "${SKIP_TRANSFORMERS:-}" ] || run python bench/peers/transformers_peer.py --settings target,assisted-k4 --repeats 1 --limit $LIMIT \
     --json $OUT/peer_transformers.json
 # all prompt classes (code, edit, chat) for specrt's drafters
 run specrt bench $INT4 --prompts $P --draft-lens 0,2,3,auto --drafters model,ngram,hybrid --repeats 2 \
     --max-new-tokens 128 --json $OUT/specrt_int4_classes.json
+# the break-even guard: the same pair with a draft that is always wrong (bench/make_mismatched.py)
+python bench/make_mismatched.py $INT4 pairs/mismatched-int4
+run specrt bench pairs/mismatched-int4 --prompts $P --draft-lens 0,2,auto --drafters model,hybrid --repeats 2 \
+    --max-new-tokens 128 --json $OUT/specrt_int4_mismatched.json
 # batched decoding: aggregate tokens/s per batch size (32 short requests)
 run specrt bench $INT4 --prompts bench/prompts/batch.jsonl --batch-sizes 1,2,4,8 --draft-lens 0,2 \
     --max-new-tokens 64 --repeats 1 --json $OUT/specrt_int4_batch.json

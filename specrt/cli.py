@@ -46,10 +46,10 @@ def main():
               help="Weights: fp32, or int4 weight-only (MatMulNBits) for CPU/edge.")
 @click.option("--max-draft-len", type=int, default=8, show_default=True, help="Most draft tokens per round.")
 @click.option("--max-len", type=int, default=2048, show_default=True, help="KV cache length (prompt + output).")
-@click.option("--block-size", type=int, default=32, show_default=True, help="int4: weights per quantization block.")
+@click.option("--block-size", type=int, default=128, show_default=True, help="int4: weights per quantization block.")
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="int4: MatMulNBits compute, 4 = int8 activations (fast), 0 = fp32 (one-token and verify passes agree to ~1e-5).")
-@click.option("--asymmetric", is_flag=True,
+@click.option("--asymmetric/--symmetric", default=True, show_default=True,
               help="int4: a 4-bit zero point per block as well as a scale (closer to the weights, same speed).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
 @click.option("--draft-vocab", type=int, default=0, show_default=True,

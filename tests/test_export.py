@@ -318,8 +318,8 @@ def test_int4_manifest_and_graph(request, which, level):
     m = read_manifest(d)
     for e in (m.target, m.draft):
         assert e.precision == "int4"
-        assert e.quantization == {"method": "MatMulNBits", "bits": 4, "block_size": 32, "accuracy_level": level,
-                                  "symmetric": True}
+        assert e.quantization == {"method": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": level,
+                                  "symmetric": False}
         for name, digest in e.files.items():
             assert sha256_file(d / name) == digest
         proto = onnx.load(str(d / e.path), load_external_data=False)
@@ -332,24 +332,25 @@ def test_int4_manifest_and_graph(request, which, level):
         for n in proto.graph.node:
             if n.op_type == "MatMulNBits":
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-                assert (attrs["bits"], attrs["block_size"], attrs.get("accuracy_level", 0)) == (4, 32, level)
+                assert (attrs["bits"], attrs["block_size"], attrs.get("accuracy_level", 0)) == (4, 128, level)
+                assert len(n.input) >= 4 and n.input[3]  # A, B, scales, zero_points: asymmetric by default
 
 
-def test_int4_asymmetric_blocks(work, hf_tiny, qwen_pair):
-    """--asymmetric --block-size 128: zero points in the graph, recorded in the manifest; the logits stay
-    as close to fp32 as symmetric int4's, and (accuracy level 0) speculative greedy equals target-only."""
+def test_int4_symmetric_blocks(work, hf_tiny, qwen_pair):
+    """--symmetric --block-size 32: no zero points in the graph, recorded in the manifest; the logits stay
+    close to fp32, and (accuracy level 0) speculative greedy equals target-only."""
     import onnx
 
     import specrt
 
-    d = work / "pair-int4-asym"
-    export(*hf_tiny["qwen2"], d, precision="int4", block_size=128, symmetric=False, accuracy_level=0)
+    d = work / "pair-int4-sym"
+    export(*hf_tiny["qwen2"], d, precision="int4", block_size=32, symmetric=True, accuracy_level=0)
     m = read_manifest(d)
-    assert m.target.quantization == {"method": "MatMulNBits", "bits": 4, "block_size": 128, "accuracy_level": 0,
-                                     "symmetric": False}
+    assert m.target.quantization == {"method": "MatMulNBits", "bits": 4, "block_size": 32, "accuracy_level": 0,
+                                     "symmetric": True}
     proto = onnx.load(str(d / m.target.path), load_external_data=False)
     nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
-    assert nbits and all(len(n.input) >= 4 and n.input[3] for n in nbits)  # A, B, scales, zero_points
+    assert nbits and all(len(n.input) == 3 or not n.input[3] for n in nbits)  # A, B, scales; no zero points
     ids = np.array([[40, 41, 42, 43, 44, 45]])
     with specrt.load(d, threads=1) as pair:
         pair.target.truncate(0), qwen_pair.target.truncate(0)

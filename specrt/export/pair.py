@@ -27,9 +27,9 @@ class ExportConfig:
     precision: str = "fp32"  # fp32 | int4
     max_len: int = 2048
     max_draft_len: int = 8
-    block_size: int = 32  # int4: weights per quantization block
+    block_size: int = 128  # int4: weights per quantization block (128: ~23% faster steps than 32 here, see README)
     accuracy_level: int = 4  # int4: MatMulNBits compute (4 = int8 activations, fast; 0 = fp32, exact)
-    symmetric: bool = True  # int4: False adds a 4-bit zero point per block (closer to the weights, same speed)
+    symmetric: bool = False  # int4: False = a 4-bit zero point per block too (closer to the weights, same speed)
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
     overwrite: bool = False
