@@ -114,10 +114,13 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair):
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
     assert res.tokens == base
     est = res.stats["acceptance_estimate"]
-    assert set(est) == {"model", "ngram"} and all(len(v) == qwen_pair.manifest.max_draft_len for v in est.values())
-    assert qwen_pair.acceptance["model"] == est["model"] and qwen_pair.acceptance["ngram"] == est["ngram"]
+    ngram_kinds = set(est) - {"model"}
+    assert "model" in est and ngram_kinds and ngram_kinds <= {"ngram1", "ngram2", "ngram3"}
+    assert all(len(v) == qwen_pair.manifest.max_draft_len for v in est.values())
+    assert all(qwen_pair.acceptance[kind] == v for kind, v in est.items())
     after = qwen_pair.generate(prompt, max_new_tokens=16, draft_len="auto", drafter="ngram").stats
-    assert set(after["acceptance_estimate"]) == {"ngram"} and qwen_pair.acceptance["model"] == est["model"]
+    assert set(after["acceptance_estimate"]) <= {"ngram1", "ngram2", "ngram3"}
+    assert qwen_pair.acceptance["model"] == est["model"]
 
 
 @pytest.mark.parametrize("better,draft_s", [("model", 0.05), ("ngram", 1.5)])
@@ -130,7 +133,7 @@ def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypat
     prompt = list(range(3, 40))
     base = qwen_pair.generate(prompt, max_new_tokens=40, draft_len=0).tokens
     # an n-gram proposal at every round (a poor one: it must not crowd out a better model draft)
-    monkeypatch.setattr(NgramDrafter, "lookup", lambda self, seq, k: np.full(k, 5, np.int64))
+    monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 1))
     monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=draft_s, target_s={1: 1.0, 9: 1.0}))
     monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.99] * 8, "ngram": [0.3] * 8})
     res = qwen_pair.generate(prompt, max_new_tokens=40, draft_len="auto", drafter="hybrid")

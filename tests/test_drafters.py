@@ -29,6 +29,34 @@ def test_ngram_lookup():
     assert len(ng.lookup(list(range(10)) * 3, 5)) == 5
 
 
+def test_ngram_proposal_kind_is_the_matched_length():
+    """auto keeps one controller per matched length (a 3-token match is right far more often than a
+    1-token one); propose returns what pick found for the same sequence."""
+    ng = NgramDrafter(max_ngram=5)
+    cases = [([1, 2, 3, 4, 1, 2], "ngram2"), ([5, 6, 7, 8, 5, 6, 7], "ngram3"), ([1, 2, 3, 9, 1, 2, 3, 9], "ngram3"),
+             ([4, 8, 1, 4], "ngram1"), ([1, 2, 3], "ngram")]
+    for seq, kind in cases:
+        assert ng.pick(seq, 4).kind == kind, seq
+        d, p, passes = ng.propose(seq, 3, SamplingConfig(), np.random.default_rng(0))
+        assert d.tolist() == ng.lookup(seq, 3).tolist() and p is None and passes == 0
+    ng.pick([1, 2, 1], 4)
+    assert ng.propose([1, 2, 1, 2], 2, SamplingConfig(), np.random.default_rng(0))[0].tolist() == [1, 2]  # not stale
+
+
+def test_auto_keeps_a_controller_per_ngram_kind(same_pair, monkeypatch):
+    """With drafter ngram + auto, the estimates come back per matched length; a tuned "ngram" prior seeds them."""
+    prompt = list(range(3, 30)) * 2 + [3, 4]
+    res = same_pair.generate(prompt, max_new_tokens=24, draft_len="auto", drafter="ngram")
+    kinds = set(res.stats["acceptance_estimate"])
+    assert kinds and kinds <= {"ngram1", "ngram2", "ngram3"}
+    monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 4))  # always a 4-token match
+    cfg = GenerationConfig(max_new_tokens=4, draft_len="auto", drafter="ngram")
+    _, _, st = decode(same_pair.target, NgramDrafter(), [5, 6, 7, 8], cfg, same_pair.manifest.vocab_size,
+                      frozenset(), prior={"ngram": [0.123] * 8}, max_draft_len=8)
+    est = st.acceptance_estimate
+    assert "ngram3" in est and est["ngram3"][1:] == [0.123] * 7  # seeded by the "ngram" prior (position 0 observed)
+
+
 @pytest.mark.parametrize("kw,match", [(dict(drafter="medusa"), "unknown drafter"), (dict(ngram_max=0), "ngram_max"),
                                       (dict(ngram_max=17), "ngram_max")])
 def test_generation_config_drafter_validation(kw, match):

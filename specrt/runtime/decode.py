@@ -64,24 +64,35 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     `on_tokens(new)` sees each batch of accepted tokens (EOS excluded) and returns True to stop.
     Only the first `vocab` logits are used, which masks padding rows of larger output matrices.
     `costs` collects measured pass times (shared across requests); with draft_len "auto" an
-    AutoDraftLen controller per drafter kind picks each round's k from them and from the acceptance
-    seen so far (`prior`: what earlier requests learned, by drafter kind).
+    AutoDraftLen controller per proposal kind picks each round's k from them and from the acceptance
+    seen so far (`prior`: what earlier requests learned, by kind). Kinds: "model", and for n-gram
+    proposals "ngram1".."ngram3" by matched suffix length (a longer match is far more often right);
+    a "ngram" entry in `prior` seeds n-gram kinds not seen yet.
     """
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
     costs = costs if costs is not None else CostModel()
-    autos = {}  # draft_len "auto": one controller per drafter kind (hybrid has two), by name
-    if cfg.draft_len == "auto" and drafter is not None:
-        # The controllers plan with the costs as they were when the request started, so their choices
-        # (and with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
-        # reproduces for the same snapshot. New measurements go to the shared model for later requests.
-        snapshot = copy.deepcopy(costs)
-        for name in (("model", "ngram") if drafter.name == "hybrid" else (drafter.name,)):
-            autos[name] = AutoDraftLen(max_draft_len, snapshot, free_draft=name == "ngram",
-                                       accept=list((prior or {}).get(name, []))[:max_draft_len])
-    k = (max_draft_len if autos else cfg.draft_len) if drafter is not None else 0
+    adaptive = cfg.draft_len == "auto" and drafter is not None
+    # The controllers plan with the costs as they were when the request started, so their choices
+    # (and with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
+    # reproduces for the same snapshot. New measurements go to the shared model for later requests.
+    snapshot = copy.deepcopy(costs) if adaptive else None
+    autos: dict[str, AutoDraftLen] = {}  # draft_len "auto": one controller per proposal kind, made on first use
+
+    def controller(kind: str) -> AutoDraftLen | None:
+        """The kind's controller: "model", or "ngram1".."ngram3" by matched length; None when not auto
+        or when the n-gram drafter found nothing to propose."""
+        if not adaptive or kind == "ngram":
+            return None
+        if kind not in autos:
+            seen = (prior or {}).get(kind) or (prior or {}).get("ngram" if kind.startswith("ngram") else kind, [])
+            autos[kind] = AutoDraftLen(max_draft_len, snapshot, free_draft=kind.startswith("ngram"),
+                                       accept=list(seen)[:max_draft_len])
+        return autos[kind]
+
+    k = (max_draft_len if adaptive else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
-    stats = Stats(draft_len="auto" if autos else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
+    stats = Stats(draft_len="auto" if adaptive else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
     predicted_tokens = predicted_s = spent = 0.0
     start = time.perf_counter()
 
@@ -116,14 +127,15 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         # A round emits at most k_now + 1 tokens: draft no further than max_new_tokens allows.
         limit = min(k, cfg.max_new_tokens - len(out) - 1)
         src = drafter.pick(seq, limit) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
-        auto = autos.get(getattr(src, "name", None))
-        if auto and src.name == "ngram" and "model" in autos:  # hybrid: use the proposal expected to pay more
-            rates = [a.best(limit)[1] for a in (auto, autos["model"])]
+        auto = controller(src.kind) if limit > 0 else None
+        hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
+        if hybrid_ngram:  # use the proposal expected to pay more
+            rates = [a.best(limit)[1] for a in (auto, controller("model"))]
             if None not in rates and rates[1] > rates[0]:
-                src, auto = drafter.model, autos["model"]
+                src, auto = drafter.model, controller("model")
         k_now = auto.choose(limit) if auto else limit
-        if k_now == 0 and auto and src.name == "ngram" and "model" in autos:  # hybrid: the n-gram proposal does not pay
-            src, auto = drafter.model, autos["model"]
+        if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
+            src, auto = drafter.model, controller("model")
             k_now = auto.choose(limit)
         stats.rounds += 1
 
@@ -174,7 +186,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     c1 = costs.target(1)
     if c1 and spent:
         stats.measured_speedup = (len(out) - 1) * c1 / spent  # tokens after the first, vs one pass each
-        if autos:
+        if adaptive:
             stats.rounds_skipped = sum(a.rounds_skipped for a in autos.values())
             stats.acceptance_estimate = {n: [round(x, 4) for x in a.accept] for n, a in autos.items()}
             stats.predicted_speedup = predicted_tokens * c1 / predicted_s if predicted_s else 0.0
