@@ -143,6 +143,19 @@ def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypat
     assert used.get(better, 0) > 3 * used.get(worse, 0), used
 
 
+def test_probe_schedule_carries_to_the_next_request(qwen_pair, monkeypatch):
+    """A draft that does not pay is probed ever more rarely across requests, not afresh in each one
+    (a probe after skipped rounds makes the draft read everything it skipped: about a prefill)."""
+    monkeypatch.setattr(qwen_pair, "costs", dear_drafts())
+    monkeypatch.setattr(qwen_pair, "acceptance", {})
+    monkeypatch.setattr(qwen_pair, "probes", {})
+    first = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
+    assert first["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 32  # one probe at round 16
+    second = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
+    assert second["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 64  # the wait went on doubling
+    assert second["rounds_skipped"] >= second["rounds"] - 2  # all but the probe (and a last round with no room)
+
+
 def test_catchup_pass_is_not_a_draft_step(qwen_pair):
     """After rounds without drafting the draft model catches up in one wide pass; its time must not
     be booked as the cost of a draft step (that would make auto skip more, and catch up more...)."""

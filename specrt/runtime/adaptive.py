@@ -74,6 +74,15 @@ class AutoDraftLen:
         self._gap = self.probe_every
         self.accept = list(self.accept) + [self.prior] * (self.max_k - len(self.accept))
 
+    @property
+    def probe_state(self) -> tuple[int, int]:
+        """(rounds between probes now, rounds since the last one): carried from request to request."""
+        return self._gap, self._since_probe
+
+    @probe_state.setter
+    def probe_state(self, state: tuple[int, int]) -> None:
+        self._gap, self._since_probe = int(state[0]), int(state[1])
+
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
         for a in self.accept[:k]:
@@ -118,7 +127,7 @@ class AutoDraftLen:
                 return 1
             self.rounds_skipped += 1
         else:
-            self._gap = self.probe_every
+            self._gap, self._since_probe = self.probe_every, 0
             self._since_widen += 1
             if best_k < limit and self._since_widen >= self.widen_every:
                 self._since_widen = 0

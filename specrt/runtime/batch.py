@@ -363,8 +363,8 @@ class BatchDecoder:
             d1 = self.pair.draft
             d1.truncate(0)
             d1.forward(np.array([prompt]), np.array([len(prompt) - 1]))
-            self.draft.load_row(r, d1, len(prompt))
-            row.stats.draft_passes += 1
+            self.draft.load_row(r, d1, len(prompt))  # not counted in the row's draft_passes: alone, the
+            # prompt is read by the first draft step's pass, so both count one pass per drafted token
         elif self._draft is not None:
             self._draft.release(r)
         self.totals.requests += 1

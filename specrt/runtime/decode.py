@@ -56,8 +56,8 @@ class Stats:
 
 def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
-           costs: CostModel | None = None, max_draft_len: int = 8, prior: dict[str, list[float]] | None = None
-           ) -> tuple[list[int], str, Stats]:
+           costs: CostModel | None = None, max_draft_len: int = 8, prior: dict[str, list[float]] | None = None,
+           probes: dict[str, tuple[int, int]] | None = None) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
     `drafter` is a runtime.drafters drafter (or a bare draft Engine, or None for target-only).
@@ -67,7 +67,9 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     AutoDraftLen controller per proposal kind picks each round's k from them and from the acceptance
     seen so far (`prior`: what earlier requests learned, by kind). Kinds: "model", and for n-gram
     proposals "ngram1".."ngram3" by matched suffix length (a longer match is far more often right);
-    a "ngram" entry in `prior` seeds n-gram kinds not seen yet.
+    a "ngram" entry in `prior` seeds n-gram kinds not seen yet. `probes` (updated in place) carries each
+    controller's probe schedule across requests, so a draft that stopped paying is not re-probed (and
+    its cache caught up, which costs about a prefill) at the start of every request.
     """
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
@@ -88,6 +90,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             seen = (prior or {}).get(kind) or (prior or {}).get("ngram" if kind.startswith("ngram") else kind, [])
             autos[kind] = AutoDraftLen(max_draft_len, snapshot, free_draft=kind.startswith("ngram"),
                                        accept=list(seen)[:max_draft_len])
+            if probes and kind in probes:
+                autos[kind].probe_state = probes[kind]
         return autos[kind]
 
     k = (max_draft_len if adaptive else cfg.draft_len) if drafter is not None else 0
@@ -101,14 +105,14 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             return int(logits.argmax())
         return sampling.draw(sampling.warp(logits[None], cfg.sampling)[0], rng.random())
 
-    # Prefill both models with the prompt; the target's last-position logits give the first token.
+    # Prefill the target with the prompt; its last-position logits give the first token. (The draft
+    # model reads the prompt in its first propose: no draft prefill when auto never drafts.)
     target.truncate(0)
     x = pick(target.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0, :vocab])
     stats.target_passes += 1
     stats.ttft_s = time.perf_counter() - start
     if k:
         drafter.start(prompt)
-        stats.draft_passes += drafter.name != "ngram"
     seq, out = list(prompt), []
     new, reason = [x], ""
     while True:
@@ -190,4 +194,6 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             stats.rounds_skipped = sum(a.rounds_skipped for a in autos.values())
             stats.acceptance_estimate = {n: [round(x, 4) for x in a.accept] for n, a in autos.items()}
             stats.predicted_speedup = predicted_tokens * c1 / predicted_s if predicted_s else 0.0
+    if probes is not None:
+        probes.update({n: a.probe_state for n, a in autos.items()})
     return out, reason or "length", stats

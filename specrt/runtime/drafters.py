@@ -49,8 +49,9 @@ class ModelDrafter:
         return self
 
     def start(self, prompt: list[int]) -> None:
+        # No prefill here: the first propose feeds the prompt (a catch-up pass), so a request in which
+        # auto never drafts never pays for the draft's prefill.
         self.engine.truncate(0)
-        self.engine.forward(np.array([prompt]), np.array([len(prompt) - 1]))
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
                 confidence_stop: float = 0.0):

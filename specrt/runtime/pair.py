@@ -134,6 +134,7 @@ class Pair:
         self.tuned = (m.tuned or {}) if use_tuned else {}
         # auto's prior: conditional acceptance per draft position, carried from request to request
         self.acceptance: dict[str, list[float]] = {}  # per drafter kind ("model", "ngram")
+        self.probes: dict[str, tuple[int, int]] = {}  # auto's probe schedule per kind, carried likewise
         if self.tuned.get("acceptance"):
             kind = "ngram" if self.tuned.get("drafter") == "ngram" else "model"
             self.acceptance[kind] = list(self.tuned["acceptance"])
@@ -301,7 +302,7 @@ class Pair:
 
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
-                                       self.acceptance)
+                                       self.acceptance, self.probes)
         self.acceptance.update(stats.acceptance_estimate)  # the next request starts from what this one learned
         tail = stream.finish()
         if tail and on_text is not None:
