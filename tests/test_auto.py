@@ -156,6 +156,18 @@ def test_probe_schedule_carries_to_the_next_request(qwen_pair, monkeypatch):
     assert second["rounds_skipped"] >= second["rounds"] - 2  # all but the probe (and a last round with no room)
 
 
+def test_first_request_of_an_untuned_pair_adapts(qwen_pair, monkeypatch):
+    """With no costs known at the start, the controllers follow the live measurements; planning with the
+    empty snapshot would leave them on their opening guess (k=2) for the whole request."""
+    monkeypatch.setattr(qwen_pair, "costs", CostModel())
+    monkeypatch.setattr(qwen_pair, "acceptance", {})
+    monkeypatch.setattr(qwen_pair, "probes", {})
+    res = qwen_pair.generate(list(range(3, 40)), max_new_tokens=96, draft_len="auto", drafter="model")
+    hist = res.stats["draft_len_hist"]
+    assert sum(v for k, v in hist.items() if k != 2) > 2, hist  # more than the last round or two
+    assert qwen_pair.costs.draft_s is not None and qwen_pair.costs.target_s
+
+
 def test_catchup_pass_is_not_a_draft_step(qwen_pair):
     """After rounds without drafting the draft model catches up in one wide pass; its time must not
     be booked as the cost of a draft step (that would make auto skip more, and catch up more...)."""

@@ -62,7 +62,7 @@ class AutoDraftLen:
     free_draft: bool = False  # a prompt-lookup drafter costs (next to) nothing
     decay: float = 0.85
     probe_every: int = 16
-    max_probe_every: int = 256
+    max_probe_every: int = 1024  # a probe after skipped rounds re-reads them all in the draft: about a prefill
     widen_every: int = 8
     accept: list[float] = field(default_factory=list)  # conditional acceptance per position
     _since_probe: int = 0

@@ -78,7 +78,11 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     # The controllers plan with the costs as they were when the request started, so their choices
     # (and with them the random draws) depend only on that snapshot, the seed and the tokens: a seed
     # reproduces for the same snapshot. New measurements go to the shared model for later requests.
-    snapshot = copy.deepcopy(costs) if adaptive else None
+    # A snapshot that lacks a cost the controllers need (the first request of a fresh, untuned pair)
+    # would freeze them on their opening guess for the whole request: they then follow the live model.
+    needs_draft = adaptive and drafter.name != "ngram"
+    complete = bool(costs.target_s) and (costs.draft_s is not None or not needs_draft)
+    snapshot = (copy.deepcopy(costs) if complete else costs) if adaptive else None
     autos: dict[str, AutoDraftLen] = {}  # draft_len "auto": one controller per proposal kind, made on first use
 
     def controller(kind: str) -> AutoDraftLen | None:
