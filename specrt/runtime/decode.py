@@ -65,9 +65,9 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     Only the first `vocab` logits are used, which masks padding rows of larger output matrices.
     `costs` collects measured pass times (shared across requests); with draft_len "auto" an
     AutoDraftLen controller per proposal kind picks each round's k from them and from the acceptance
-    seen so far (`prior`: what earlier requests learned, by kind). Kinds: "model", and for n-gram
-    proposals "ngram1".."ngram3" by matched suffix length (a longer match is far more often right);
-    a "ngram" entry in `prior` seeds n-gram kinds not seen yet. `probes` (updated in place) carries each
+    seen so far (`prior`: what earlier requests learned, by kind). Kinds: "model" ("hybrid-model" inside
+    hybrid), and for n-gram proposals "ngram1".."ngram3" by matched suffix length (a longer match is far
+    more often right); a "model" or "ngram" entry in `prior` seeds kinds of its family not seen yet. `probes` (updated in place) carries each
     controller's probe schedule across requests, so a draft that stopped paying is not re-probed (and
     its cache caught up, which costs about a prefill) at the start of every request.
     """
@@ -91,8 +91,9 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         if not adaptive or kind == "ngram":
             return None
         if kind not in autos:
-            seen = (prior or {}).get(kind) or (prior or {}).get("ngram" if kind.startswith("ngram") else kind, [])
-            autos[kind] = AutoDraftLen(max_draft_len, snapshot, free_draft=kind.startswith("ngram"),
+            family = "ngram" if kind.startswith("ngram") else "model"  # seeds a kind not seen yet
+            seen = (prior or {}).get(kind) or (prior or {}).get(family, [])
+            autos[kind] = AutoDraftLen(max_draft_len, snapshot, free_draft=family == "ngram",
                                        accept=list(seen)[:max_draft_len])
             if probes and kind in probes:
                 autos[kind].probe_state = probes[kind]
@@ -138,12 +139,12 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         auto = controller(src.kind) if limit > 0 else None
         hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
         if hybrid_ngram:  # use the proposal expected to pay more
-            rates = [a.best(limit)[1] for a in (auto, controller("model"))]
+            rates = [a.best(limit)[1] for a in (auto, controller(drafter.model.kind))]
             if None not in rates and rates[1] > rates[0]:
-                src, auto = drafter.model, controller("model")
+                src, auto = drafter.model, controller(drafter.model.kind)
         k_now = auto.choose(limit) if auto else limit
         if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
-            src, auto = drafter.model, controller("model")
+            src, auto = drafter.model, controller(drafter.model.kind)
             k_now = auto.choose(limit)
         stats.rounds += 1
 

@@ -138,6 +138,9 @@ class HybridDrafter:
 
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_len: int = 2):
         self.model, self.ngram, self.min_len = model, ngram, min_len
+        # Here the model drafts mostly where no n-gram matched, the hard places: its acceptance (and
+        # auto's state) there is not the model drafter's on its own, so it is learned under its own kind.
+        model.kind = "hybrid-model"
 
     def start(self, prompt: list[int]) -> None:
         self.model.start(prompt)
