@@ -67,9 +67,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     AutoDraftLen controller per proposal kind picks each round's k from them and from the acceptance
     seen so far (`prior`: what earlier requests learned, by kind). Kinds: "model" ("hybrid-model" inside
     hybrid), and for n-gram proposals "ngram1".."ngram3" by matched suffix length (a longer match is far
-    more often right); a "model" or "ngram" entry in `prior` seeds kinds of its family not seen yet. `probes` (updated in place) carries each
-    controller's probe schedule across requests, so a draft that stopped paying is not re-probed (and
-    its cache caught up, which costs about a prefill) at the start of every request.
+    more often right); a "model" or "ngram" entry in `prior` seeds kinds of its family not seen yet.
+    `probes` (updated in place) carries each controller's probe schedule across requests, so a draft
+    that stopped paying is not re-probed (and its cache caught up, which costs about a prefill) at the
+    start of every request.
     """
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
