@@ -113,6 +113,11 @@ class NgramDrafter:
             return self._picked[2][:k], None, 0  # what pick found for this very sequence
         return self.lookup(seq, k), None, 0
 
+    @property
+    def proposal(self) -> np.ndarray:
+        """What the last pick found (empty before any)."""
+        return self._picked[2] if self._picked else np.empty(0, np.int64)
+
     def match(self, seq: list[int], k: int) -> tuple[np.ndarray, int]:
         """(up to k proposed tokens, length of the suffix they continue; 0 = no match)."""
         arr = np.asarray(seq, np.int64)
@@ -148,7 +153,7 @@ class HybridDrafter:
 
     def pick(self, seq: list[int], k: int):
         """The drafter this round would use: the n-gram one when it has a long enough proposal."""
-        return self.ngram if len(self.ngram.pick(seq, k)._picked[2]) >= min(self.min_len, k) else self.model
+        return self.ngram if len(self.ngram.pick(seq, k).proposal) >= min(self.min_len, k) else self.model
 
     def propose(self, seq, k, cfg, rng, confidence_stop: float = 0.0):
         return self.pick(seq, k).propose(seq, k, cfg, rng, confidence_stop)
