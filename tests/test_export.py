@@ -70,6 +70,22 @@ def test_manifest_new_kv_shapes_are_concrete(qwen_dir):
             assert e["outputs"][n]["shape"] == ["seq", "batch", 2, 16], (n, e["outputs"][n]["shape"])
 
 
+def test_past_is_read_in_place(qwen_dir):
+    """Each past K/V feeds only FusedMatMuls that read its sequence axis by strides (transBatchB): no
+    per-step Concat or Transpose copies the cache, whose cost grew with the past."""
+    import onnx
+
+    for role in ("target", "draft"):
+        e = getattr(read_manifest(qwen_dir), role)
+        graph = onnx.load(str(qwen_dir / e.path), load_external_data=False).graph
+        for i in range(e.num_layers):
+            for name in (f"past_key.{i}", f"past_value.{i}"):
+                users = [n for n in graph.node if name in n.input and n.op_type != "Shape"]  # Shape reads no data
+                assert len(users) == 1 and users[0].op_type == "FusedMatMul", (role, name, [n.op_type for n in users])
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in users[0].attribute}
+                assert attrs["transBatchB"] == 1 and attrs["transB"] == int(name.startswith("past_key")), attrs
+
+
 def test_read_manifest_roundtrip(qwen_dir):
     m = read_manifest(qwen_dir)
     assert m.target.kv_names(1) == ("past_key.1", "past_value.1", "new_key.1", "new_value.1")

@@ -253,10 +253,12 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
         p.chmod(0o644)  # onnx writes external data owner-only; a pair folder is meant to be shared
     files = {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
     inputs, outputs = _io_spec(proto.graph.input), _io_spec(proto.graph.output)
-    for io in (inputs, outputs):  # the tracer leaves some KV dims symbolic; they are fixed by the config
+    # The tracer leaves dims symbolic where shape inference stops (at contrib ops); the config fixes them.
+    for io in (inputs, outputs):
         for name, v in io.items():
             if name.startswith(("past_", "new_")):
                 v["shape"] = [v["shape"][0], "batch", spec["num_kv_heads"], spec["head_dim"]]
+    outputs["logits"]["shape"] = ["batch", "n_logits", spec["logits_width"]]
     return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision, dtype="float32",
                       inputs=inputs, outputs=outputs, quantization=quant, **spec)
 
