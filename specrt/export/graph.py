@@ -94,6 +94,22 @@ class _CacheMatMul(torch.autograd.Function):
         return out
 
 
+class _SplitLast(torch.autograd.Function):
+    """x split along its last axis into two parts of `sizes` (an int64 [2] tensor computed once per
+    graph): one Split node, where slicing by a traced length costs ~5 nodes of shape arithmetic per layer."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        return tuple(x.split(sizes.tolist(), -1))
+
+    @staticmethod
+    def symbolic(g, x, sizes):
+        parts = g.op("Split", x, sizes, axis_i=-1, outputs=2)
+        for p in parts:
+            p.setType(x.type().with_sizes(x.type().varyingSizes()[:-1] + [None]))
+        return parts
+
+
 def _f32(x):
     """x in float32 (attention math runs in fp32 for fp16 models); no Cast node when it already is."""
     return x if x.dtype == torch.float32 else x.float()
@@ -170,6 +186,9 @@ class DeltaKVDecoder(nn.Module):
         bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]  # [B, 1, S, T]
         bias = bias.repeat(1, 1, rep, 1)  # [B, 1, rep*S, T]: the row order of the grouped queries below
 
+        # [P, S]: the past and new parts of each attention row, for _SplitLast (shape ops once, not per layer)
+        past_new = torch.cat((torch._shape_as_tensor(past[0])[:1], torch._shape_as_tensor(input_ids)[1:]))
+
         new_kv = []
         for i, layer in enumerate(self.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -190,13 +209,13 @@ class DeltaKVDecoder(nn.Module):
                                 (0, Hkv, -1, D))  # [B, Hkv, rep*S, D]
             scores = torch.cat((_CacheMatMul.apply(qg, _f32(past[2 * i]), True, attn.scaling),
                                 _CacheMatMul.apply(qg, _f32(k_new), True, attn.scaling)), -1)  # [B, Hkv, rep*S, T]
-            probs = torch.softmax(scores + bias, dim=-1)
-            n_past = past[2 * i].shape[0]
-            out = (_CacheMatMul.apply(probs[..., :n_past], _f32(past[2 * i + 1]), False, 1.0)
-                   + _CacheMatMul.apply(probs[..., n_past:], _f32(v_new), False, 1.0)).to(h.dtype)  # [B, Hkv, rep*S, D]
+            p_past, p_new = _SplitLast.apply(torch.softmax(scores + bias, dim=-1), past_new)
+            out = (_CacheMatMul.apply(p_past, _f32(past[2 * i + 1]), False, 1.0)
+                   + _CacheMatMul.apply(p_new, _f32(v_new), False, 1.0)).to(h.dtype)  # [B, Hkv, rep*S, D]
             out = _Reshape.apply(_Reshape.apply(out, (0, Hkv, rep, -1, D)).permute(0, 3, 1, 2, 4), (0, -1, H * D))  # [B, S, H*D]
             h = h + attn.o_proj(out)
-            gate, up = self.gate_up[i](layer.post_attention_layernorm(h)).chunk(2, -1)
+            gate_up = self.gate_up[i]
+            gate, up = gate_up(layer.post_attention_layernorm(h)).split(gate_up.out_features // 2, -1)  # one Split
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
 
         h = self.model.norm(h)
