@@ -128,3 +128,60 @@ def test_cli_drafter_option(qwen_dir, qwen_pair):
     assert out["stats"]["draft_passes"] == 0
     r = runner.invoke(main, ["generate", str(qwen_dir), "--prompt", "x", "--drafter", "medusa"])
     assert r.exit_code == 2 and "Traceback" not in r.output and "Invalid value for '--drafter'" in r.stderr
+
+
+def test_draft_cache_prefix_is_reused_across_requests(qwen_pair, monkeypatch):
+    """A prompt that extends the previous request's sequence (the next turn of a conversation) or
+    shares its start (a system prompt) keeps those draft cache entries; the rest is read as usual,
+    and what is generated is exactly what a cold draft cache gives."""
+    pair, draft = qwen_pair, qwen_pair.draft
+    cuts = []
+    truncate = draft.truncate
+    monkeypatch.setattr(draft, "truncate", lambda n: (cuts.append(n), truncate(n))[1])
+    first = list(range(3, 40))
+    pair.draft_memory.forget()
+    a = pair.generate(first, max_new_tokens=24, draft_len=3)
+    assert cuts[0] == 0  # nothing to reuse yet
+    turn = first + a.tokens + [5, 6, 7]  # the conversation goes on
+    read = draft.length  # the draft has not read the last emitted tokens yet
+    assert len(first) + len(a.tokens) - 4 <= read <= len(first) + len(a.tokens)
+    cuts.clear()
+    warm = pair.generate(turn, max_new_tokens=24, draft_len=3, temperature=0.8, seed=3)
+    assert cuts[0] == read  # all of the previous sequence the draft had read
+    pair.draft_memory.forget()
+    cuts.clear()
+    cold = pair.generate(turn, max_new_tokens=24, draft_len=3, temperature=0.8, seed=3)
+    assert cuts[0] == 0 and cold.tokens == warm.tokens
+    # a different prompt that shares only the start
+    cuts.clear()
+    pair.generate(first[:10] + [50, 51, 52], max_new_tokens=8, draft_len=2)
+    assert cuts[0] == 10
+    # code that drives the engines itself (batch, checks) makes the Pair forget
+    with pair.exclusive():
+        pass
+    cuts.clear()
+    pair.generate(first[:10] + [50, 51, 52], max_new_tokens=8, draft_len=2)
+    assert cuts[0] == 0
+
+
+def test_draft_cache_reuse_never_trusts_slots_past_the_sequence(qwen_pair):
+    """Slots past the committed sequence may hold rejected drafts: they are never reused."""
+    pair = qwen_pair
+    pair.draft_memory.forget()
+    prompt = list(range(3, 30))
+    res = pair.generate(prompt, max_new_tokens=16, draft_len=8, temperature=1.0, seed=1)
+    seq = prompt + res.tokens
+    assert pair.draft.length <= len(pair.draft_memory.seq) <= len(seq) + 1
+    drafter = pair._drafter(GenerationConfig(draft_len=2))
+    drafter.start(seq + [999])  # the next prompt: everything generated, then a token never seen
+    assert pair.draft.length == min(len(pair.draft_memory.seq), len(seq))
+
+
+def test_bench_measures_a_repeated_prompt_as_new(qwen_pair, monkeypatch):
+    """bench runs one prompt many times: each run must read its prompt again, not find it cached."""
+    from specrt.runtime.bench import Prompt, run_bench
+
+    forgot = []
+    monkeypatch.setattr(qwen_pair.draft_memory, "forget", lambda: forgot.append(1))
+    run_bench(qwen_pair, [Prompt("a", list(range(3, 20)), "code")], [0, 2], max_new_tokens=4, repeats=2)
+    assert len(forgot) == 2 * 2  # before every timed run (the warm-ups ran the same prompt)

@@ -11,7 +11,8 @@ Preparation (cached under --workdir, default ~/.cache/specrt/peers; reruns skip 
   3. run folders (hard links, no copies): WORKDIR/ortgenai/run-target (target, session options set)
      and WORKDIR/ortgenai/run-spec (target + draft/ subfolder, genai_config with model.type
      "speculative", model.draft = the draft's decoder block, speculative.max_draft_tokens).
-Session options: intra_op_num_threads=--threads, inter_op 1, no spinning.
+Session options: intra_op_num_threads=--threads, inter_op 1; worker threads spin within a run and stop
+after it (allow_spinning + force_spinning_stop, as specrt's sessions do), or never with --no-spinning.
 
     python bench/peers/ortgenai_peer.py --prepare-only          # heavy: run alone
     python bench/peers/ortgenai_peer.py --repeats 3 --k 3,4 --json /tmp/peers/ortgenai.json
@@ -96,28 +97,30 @@ def link_tree(src: Path, dst: Path):
                 shutil.copy2(f, d)
 
 
-def session_options(threads: int) -> dict:
-    return {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
-            "session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
+def session_options(threads: int, spinning: bool = True) -> dict:
+    spin = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"} if spinning else \
+        {"session.intra_op.allow_spinning": "0"}
+    return {"intra_op_num_threads": threads, "inter_op_num_threads": 1, "session.inter_op.allow_spinning": "0", **spin}
 
 
-def make_run_dirs(target: Path, draft: Path, workdir: Path, threads: int, max_k: int, tag: str) -> tuple[Path, Path]:
+def make_run_dirs(target: Path, draft: Path, workdir: Path, threads: int, max_k: int, tag: str,
+                  spinning: bool = True) -> tuple[Path, Path]:
     tcfg = json.loads((target / "genai_config.json").read_text())
     dcfg = json.loads((draft / "genai_config.json").read_text())
     run_t = workdir / "ortgenai" / f"run-target-{tag}"
     link_tree(target, run_t)
     cfg = json.loads(json.dumps(tcfg))
-    cfg["model"]["decoder"].setdefault("session_options", {}).update(session_options(threads))
+    cfg["model"]["decoder"].setdefault("session_options", {}).update(session_options(threads, spinning))
     (run_t / "genai_config.json").write_text(json.dumps(cfg, indent=2))
 
     run_s = workdir / "ortgenai" / f"run-spec-{tag}"
     link_tree(target, run_s)
     link_tree(draft, run_s / "draft")
     cfg = json.loads(json.dumps(tcfg))
-    cfg["model"]["decoder"].setdefault("session_options", {}).update(session_options(threads))
+    cfg["model"]["decoder"].setdefault("session_options", {}).update(session_options(threads, spinning))
     dec = json.loads(json.dumps(dcfg["model"]["decoder"]))
     dec["filename"] = "draft/" + dec["filename"]
-    dec.setdefault("session_options", {}).update(session_options(threads))
+    dec.setdefault("session_options", {}).update(session_options(threads, spinning))
     cfg["model"]["type"] = "speculative"
     cfg["model"]["draft"] = dec
     cfg["speculative"] = {"max_draft_tokens": max_k}
@@ -137,6 +140,8 @@ def main():
                    help="builder accuracy_level (default: builder's own, 4 = int8 activations on CPU)")
     p.add_argument("--block-size", type=int, default=None,
                    help="builder block_size for MatMulNBits (default: the builder's own, 32)")
+    p.add_argument("--no-spinning", dest="spinning", action="store_false",
+                   help="worker threads never spin (the setting of specrt's second and third sittings)")
     p.add_argument("--prepare-only", action="store_true", help="build the models and run folders, measure nothing")
     p.add_argument("--build-timeout", type=int, default=3600)
     p.add_argument("--target", default=C.TARGET)
@@ -156,8 +161,8 @@ def main():
     ddir = (prepare_model(args.draft, args.workdir, args.precision, args.accuracy_level, args.build_timeout, args.block_size)
             if ks else None)
     tag = (f"{args.precision}{'' if args.accuracy_level is None else f'-acc{args.accuracy_level}'}"
-           f"{f'-b{args.block_size}' if args.block_size else ''}-t{args.threads}")
-    run_t, run_s = make_run_dirs(tdir, ddir or tdir, args.workdir, args.threads, max(ks or [1]), tag)
+           f"{f'-b{args.block_size}' if args.block_size else ''}-t{args.threads}{'' if args.spinning else '-nospin'}")
+    run_t, run_s = make_run_dirs(tdir, ddir or tdir, args.workdir, args.threads, max(ks or [1]), tag, args.spinning)
     print(f"prepared in {time.perf_counter() - t0:.1f} s: {run_t} {run_s}", file=sys.stderr, flush=True)
     if args.prepare_only:
         return

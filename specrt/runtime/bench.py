@@ -75,9 +75,15 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
     for cfg in cfgs.values():  # warm-up (and up-front validation of every setting)
         pair.run(prompts[0].ids, cfg)
     runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
+    last = prompts[0].ids  # the warm-ups' prompt
     for r in range(repeats):
         for s, cfg in cfgs.items():
             for p in prompts:
+                if p.ids == last and getattr(pair, "draft_memory", None) is not None:
+                    # A prompt right after itself would find all of it in the draft's cache: measure
+                    # it as a new prompt (what the reuse gives a shared prefix is still measured).
+                    pair.draft_memory.forget()
+                last = p.ids
                 runs[s].append((r, p, pair.run(p.ids, cfg).stats))
                 if progress:
                     progress()

@@ -35,14 +35,29 @@ def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: 
     return (j if ids is None else int(ids[j])), top
 
 
+class DraftMemory:
+    """What the draft's cache slots hold across requests: the sequence of the request that last used
+    it (a live reference; slots below its length hold its tokens). Kept by the Pair."""
+
+    def __init__(self):
+        self.seq: list[int] = []
+
+    def forget(self) -> None:
+        self.seq = []
+
+
 class ModelDrafter:
     """A small draft model with its own KV cache. Its cache always holds a prefix of the sequence.
-    `ids`: the token ids of its logits rows when its output vocabulary is restricted."""
+    `ids`: the token ids of its logits rows when its output vocabulary is restricted. `memory`: with
+    one, a request keeps the cache entries of the prefix its prompt shares with the previous request's
+    sequence (a system prompt, the earlier turns of a conversation) instead of reading them again.
+    That is exact: those entries are what a fresh read would compute, and the draft only steers
+    proposals, so the output cannot change either way."""
 
     name = kind = "model"
 
-    def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None):
-        self.engine, self.vocab, self.ids = engine, vocab, ids
+    def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None):
+        self.engine, self.vocab, self.ids, self.memory = engine, vocab, ids, memory
         self.catchup_s = 0.0  # time of the last propose's first pass when it caught up on > 2 tokens
 
     def pick(self, seq: list[int], k: int):
@@ -51,7 +66,14 @@ class ModelDrafter:
     def start(self, prompt: list[int]) -> None:
         # No prefill here: the first propose feeds the prompt (a catch-up pass), so a request in which
         # auto never drafts never pays for the draft's prefill.
-        self.engine.truncate(0)
+        keep = 0
+        if self.memory is not None:
+            prev = self.memory.seq
+            n = min(self.engine.length, len(prev), len(prompt))  # slots past len(prev) may hold rejected drafts
+            same = np.asarray(prev[:n], np.int64) == np.asarray(prompt[:n], np.int64)
+            keep = n if same.all() else int(same.argmin())
+            self.memory.seq = list(prompt[:keep])
+        self.engine.truncate(keep)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
                 confidence_stop: float = 0.0):
@@ -59,6 +81,8 @@ class ModelDrafter:
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
         inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
+        if self.memory is not None:
+            self.memory.seq = seq  # the live sequence: its committed tokens are what the slots hold
         self.catchup_s = 0.0
         for i in range(k):
             t0 = time.perf_counter()

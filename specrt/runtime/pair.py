@@ -24,6 +24,7 @@ import numpy as np
 
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
 from specrt.runtime.adaptive import CostModel
+from specrt.runtime.drafters import DraftMemory
 from specrt.errors import ConfigError, PairError
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
@@ -130,6 +131,7 @@ class Pair:
         self.target = OrtEngine(self.dir, m.target, m.max_len, m.max_draft_len + 1, threads=threads)
         self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
+        self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
         self.tuned = (m.tuned or {}) if use_tuned else {}
         # auto's prior: conditional acceptance per draft position, carried from request to request
@@ -243,6 +245,7 @@ class Pair:
         directly (checks, batch runners): a generate or stream meanwhile raises ConfigError, and
         entering while one runs raises ConfigError."""
         self._begin()
+        self.draft_memory.forget()  # the caller may overwrite the draft's cache
         try:
             yield self
         finally:
@@ -322,7 +325,7 @@ class Pair:
             return None
         if cfg.drafter == "ngram":
             return NgramDrafter(cfg.ngram_max)
-        model = ModelDrafter(self.draft, self.manifest.vocab_size, self.draft_ids)
+        model = ModelDrafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory)
         return model if cfg.drafter == "model" else HybridDrafter(model, NgramDrafter(cfg.ngram_max))
 
     def close(self) -> None:
