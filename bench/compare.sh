@@ -3,7 +3,7 @@
 # Runs one thing at a time (2 cores: anything else running skews every number) and writes
 # bench/results/*.json; bench/render_results.py turns them into bench/RESULTS.md tables.
 #   bash bench/compare.sh            (needs: scripts/demo.sh run once, the fp32 pair exported, peers installed)
-#   SKIP_FP32=1 SKIP_TRANSFORMERS=1 bash bench/compare.sh    (without the two slowest runs: ~25 min less)
+#   SKIP_FP32=1 SKIP_TRANSFORMERS=1 SKIP_BATCH=1 bash bench/compare.sh    (without the slowest runs: ~35 min less)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=bench/results
@@ -32,6 +32,6 @@ python bench/make_mismatched.py $INT4 pairs/mismatched-int4
 run specrt bench pairs/mismatched-int4 --prompts $P --draft-lens 0,2,auto --drafters model,hybrid --repeats 2 \
     --max-new-tokens 128 --json $OUT/specrt_int4_mismatched.json
 # batched decoding: aggregate tokens/s per batch size (32 short requests)
-run specrt bench $INT4 --prompts bench/prompts/batch.jsonl --batch-sizes 1,2,4,8 --draft-lens 0,2 \
+[ -n "${SKIP_BATCH:-}" ] || run specrt bench $INT4 --prompts bench/prompts/batch.jsonl --batch-sizes 1,2,4,8 --draft-lens 0,2 \
     --max-new-tokens 64 --repeats 1 --json $OUT/specrt_int4_batch.json
 python bench/render_results.py $OUT > $OUT/tables.md && echo "wrote $OUT/tables.md"

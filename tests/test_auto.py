@@ -105,10 +105,13 @@ def test_auto_greedy_equals_target_only(pairs, model_type):
         assert s["new_tokens"] == 1 + s["rounds"] + s["accepted"]
 
 
-def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair):
+def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair, monkeypatch):
     """hybrid + auto: the n-gram and the model proposals are judged on their own acceptance and cost
     (a free n-gram proposal that is rarely right must not make the model draft look bad, or vice versa);
     the pair carries each drafter's learned acceptance to its next request separately."""
+    from specrt.runtime.drafters import HybridDrafter
+
+    monkeypatch.setattr(HybridDrafter, "min_match", 1)  # the random tiny model rarely repeats 2 tokens
     prompt = list(range(3, 40)) + list(range(3, 20))  # repeats: the n-gram drafter has proposals
     base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
@@ -135,7 +138,7 @@ def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypat
     prompt = list(range(3, 40))
     base = qwen_pair.generate(prompt, max_new_tokens=40, draft_len=0).tokens
     # an n-gram proposal at every round (a poor one: it must not crowd out a better model draft)
-    monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 1))
+    monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 2))
     monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=draft_s, target_s={1: 1.0, 9: 1.0}))
     monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.99] * 8, "ngram": [0.3] * 8})
     res = qwen_pair.generate(prompt, max_new_tokens=40, draft_len="auto", drafter="hybrid")

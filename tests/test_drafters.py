@@ -29,6 +29,15 @@ def test_ngram_lookup():
     assert len(ng.lookup(list(range(10)) * 3, 5)) == 5
 
 
+def test_hybrid_uses_ngram_proposals_only_after_a_two_token_match():
+    """After a 1-token match an n-gram proposal is right too rarely to pay: hybrid asks the model."""
+    model = ModelDrafter(None, 10)
+    hy = HybridDrafter(model, NgramDrafter(max_ngram=3))
+    assert hy.pick([4, 8, 1, 2, 4], 3) is model  # only [4] matched
+    assert hy.pick([1, 2, 3, 4, 1, 2], 3) is hy.ngram  # [1, 2] matched, [3, 4, 1] proposed
+    assert hy.pick([7, 1, 2, 7, 1, 2], 3) is hy.ngram and hy.ngram.kind == "ngram3"
+
+
 def test_ngram_proposal_kind_is_the_matched_length():
     """auto keeps one controller per matched length (a 3-token match is right far more often than a
     1-token one); propose returns what pick found for the same sequence."""

@@ -66,7 +66,7 @@ from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime import sampling
 from specrt.runtime.decode import Stats
-from specrt.runtime.drafters import NgramDrafter, expand_logits, greedy_pick
+from specrt.runtime.drafters import HybridDrafter, NgramDrafter, expand_logits, greedy_pick
 
 PAD_ID = 0  # token fed in padded positions (their slots are masked; any id would do)
 
@@ -419,8 +419,8 @@ class BatchDecoder:
             if not row.want:
                 continue
             if cfg.drafter in ("ngram", "hybrid"):
-                d = NgramDrafter(cfg.ngram_max).lookup(row.seq, row.want)
-                if cfg.drafter == "ngram" or len(d) >= min(2, row.want):  # HybridDrafter's min_len 2
+                d, n = NgramDrafter(cfg.ngram_max).match(row.seq, row.want)
+                if cfg.drafter == "ngram" or (len(d) >= min(2, row.want) and n >= HybridDrafter.min_match):
                     row.d, row.used = [int(t) for t in d], "ngram"
                     continue
             row.used, row.drafting = "model", True
