@@ -79,7 +79,7 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
     for r in range(repeats):
         for s, cfg in cfgs.items():
             for p in prompts:
-                if p.ids == last and getattr(pair, "draft_memory", None) is not None:
+                if p.ids == last:
                     # A prompt right after itself would find all of it in the draft's cache: measure
                     # it as a new prompt (what the reuse gives a shared prefix is still measured).
                     pair.draft_memory.forget()

@@ -36,8 +36,7 @@ def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
 
-    if getattr(pair, "draft_memory", None) is not None:
-        pair.draft_memory.forget()  # the timing passes overwrite the draft's cache
+    pair.draft_memory.forget()  # the timing passes overwrite the draft's cache
     target_s = {w: timed(pair.target, w, np.arange(w)) for w in range(1, m.max_draft_len + 2)}
     draft_s = timed(pair.draft, 1, np.array([0])) if pair.draft is not None else None
     return {"draft_s": draft_s, "target_s": target_s}
