@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from specrt.cli_device import device_option, load_pair
 from specrt.errors import SpecrtError
 
 
@@ -42,8 +43,13 @@ def main():
 @click.option("--draft", default=None,
               help="Draft model: same kinds of source as --target, same tokenizer (omit for an n-gram-only pair).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Pair folder to create.")
-@click.option("--precision", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
-              help="Weights: fp32, or int4 weight-only (MatMulNBits) for CPU/edge.")
+@click.option("--precision", type=click.Choice(["fp32", "int4", "fp16"]), default="fp32", show_default=True,
+              help="Weights: fp32; int4 weight-only (MatMulNBits) for CPU/edge; fp16 for GPUs (standard ops, for "
+                   "onnxruntime's CUDA provider and TensorRT).")
+@click.option("--engine", type=click.Choice(["none", "tensorrt"]), default="none", show_default=True,
+              help="tensorrt: also build TensorRT engines (prefill, verify and step profiles) on this machine's GPU.")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+              help="tensorrt: widest prefill chunk of the engines' profile; longer prompts are run in chunks.")
 @click.option("--max-draft-len", type=int, default=8, show_default=True, help="Most draft tokens per round.")
 @click.option("--max-len", type=int, default=2048, show_default=True, help="KV cache length (prompt + output).")
 @click.option("--block-size", type=int, default=128, show_default=True, help="int4: weights per quantization block.")
@@ -58,14 +64,15 @@ def main():
 @click.option("--draft-vocab-text", "draft_vocab_texts", type=click.Path(path_type=Path), multiple=True,
               help="Calibration text for --draft-vocab (repeatable; default: Python's standard library sources).")
 @_errors
-def export(target, draft, out, precision, max_draft_len, max_len, block_size, accuracy_level, asymmetric,
-           draft_vocab, draft_vocab_texts, overwrite):
+def export(target, draft, out, precision, engine, prefill_chunk, max_draft_len, max_len, block_size, accuracy_level,
+           asymmetric, draft_vocab, draft_vocab_texts, overwrite):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
     from specrt.export.pair import ExportConfig, export_pair
 
     cfg = ExportConfig(target=target, draft=draft, out=out, precision=precision, max_len=max_len,
                        max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
-                       symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts), overwrite=overwrite)
+                       symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts),
+                       engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite)
     m = export_pair(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
 
@@ -101,15 +108,16 @@ def fetch(name, out):
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
+@device_option
 @_errors
-def generate(pair_dir, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
+def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
              stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
     from specrt.config import SamplingConfig
     from specrt.runtime.pair import load
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    with load(pair_dir) as pair:
+    with load_pair(pair_dir, device) as pair:
         cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
                           drafter=drafter, confidence_stop=confidence_stop, sampling=sampling)
         ids = pair.encode(prompt, chat=chat)
@@ -172,8 +180,9 @@ def _draft_len_list(ctx, param, value):
               help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "
                    "(whole prompt list per setting, slots refilled; fixed draft lengths only).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
+@device_option
 @_errors
-def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
+def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
           batch_sizes, json_out):
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
@@ -191,7 +200,7 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     sampling = SamplingConfig(temperature=temperature)
-    with load(pair_dir) as pair:
+    with load_pair(pair_dir, device) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
         names = [d.strip() for d in (drafters or pair.default_drafter).split(",") if d.strip()]
         if batch_sizes:
@@ -228,8 +237,9 @@ def bench(pair_dir, prompts, prompt_text, draft_lens, max_new_tokens, repeats, t
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats per setting.")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--dry-run", is_flag=True, help="Print what would be chosen; leave the manifest alone.")
+@device_option
 @_errors
-def tune(pair_dir, prompts, draft_lens, drafters, confidence_stops, max_new_tokens, repeats, limit, dry_run):
+def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_new_tokens, repeats, limit, dry_run):
     """Measure this device and the prompts, pick the fastest drafting settings, store them in the manifest."""
     from specrt.errors import ConfigError
     from specrt.runtime.bench import format_table, read_prompts, settings_grid
@@ -242,7 +252,7 @@ def tune(pair_dir, prompts, draft_lens, drafters, confidence_stops, max_new_toke
         raise ConfigError(f"--confidence-stops must be comma-separated numbers, got {confidence_stops!r}") from None
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
-    with load(pair_dir, use_tuned=False) as pair:
+    with load_pair(pair_dir, device, use_tuned=False) as pair:
         names = [d.strip() for d in (drafters or ("model,ngram,hybrid" if pair.draft else "ngram")).split(",")]
         plist = read_prompts(prompts, pair, limit)
         total = repeats * len(plist) * len(settings_grid(draft_lens, names, stops))

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from specrt.cli_device import device_option, load_pair
+
 
 def _errors(fn):
     """specrt.cli's `_errors` (bad input: one `Error:` line, exit code 2), looked up when the command
@@ -171,8 +173,9 @@ def info(pair_dir, as_json):
               help="Sampled generations for the statistical test (0 = skip it).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@device_option
 @_errors
-def check(pair_dir, prompts, max_new_tokens, draft_len, samples, limit, as_json):
+def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, as_json):
     """Check losslessness on this machine: greedy speculative == target-only, and a sampling test.
 
     Per prompt, greedy speculative and greedy target-only decoding run side by side; where they
@@ -193,7 +196,7 @@ def check(pair_dir, prompts, max_new_tokens, draft_len, samples, limit, as_json)
         raise ConfigError(f"--samples must be >= 0, got {samples}")
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    with load(pair_dir) as pair:
+    with load_pair(pair_dir, device) as pair:
         drafter = "model" if pair.draft is not None else "ngram"
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, drafter=drafter)
         if prompts is not None:

@@ -104,6 +104,8 @@ class ModelEntry:
     # Draft with a restricted output vocabulary: an .npy of the token ids its logits rows stand for
     # (sorted, relative to the pair folder, hashed in `files`); None = row i is token id i.
     output_ids: str | None = None
+    # Standard ONNX ops only (onnxruntime CUDA, TensorRT); False: onnxruntime contrib ops (CPU-fastest).
+    portable: bool = False
 
     def kv_names(self, layer: int) -> tuple[str, str, str, str]:
         """(past key, past value, new key, new value) tensor names of one layer."""
@@ -128,6 +130,9 @@ class Manifest:
     # Written by `specrt tune`: {"drafter", "draft_len", "confidence_stop", "acceptance": [...],
     # "costs": {"draft_s", "target_s": {width: s}}, "graphs": {file: sha256}, "measured": {...}}
     tuned: dict | None = None
+    # Written by `specrt export --engine tensorrt` (engines/trt.py): {"tensorrt_version",
+    # "compute_capability", "target": {"plan", "sha256", "profiles": [...]}, "draft": {...}}
+    engines: dict | None = None
 
     def graph_hashes(self) -> dict[str, str]:
         return {f: h for e in (self.target, self.draft) if e is not None for f, h in e.files.items()}

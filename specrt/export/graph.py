@@ -52,7 +52,7 @@ class _Reshape(torch.autograd.Function):
 class _Rotary(torch.autograd.Function):
     """Rotary embedding (half rotation) of x [B, S, N*D] at positions [B, S]: onnxruntime's
     com.microsoft RotaryEmbedding over precomputed cos/sin tables [max_len, D/2]. A contrib op:
-    a TensorRT export (issue 7) must trace `forward` instead (standard Gather/Mul/Add ops)."""
+    the portable (GPU) graph uses _rotary_portable instead (standard ops, same math)."""
 
     @staticmethod
     def forward(ctx, x, positions, cos_table, sin_table, num_heads):
@@ -78,7 +78,7 @@ class _CacheMatMul(torch.autograd.Function):
     com.microsoft FusedMatMul with transBatchB, which moves the cache's sequence axis behind its
     batch axes by strides: no Transpose or Concat of the past per step, whose cost grew with the past
     (the 0.5B int4 draft step: 11.5 ms at a past of 20, 22.5 ms at 600 with the transposing graph).
-    A contrib op, like RotaryEmbedding: a TensorRT export traces `forward` instead."""
+    A contrib op, like RotaryEmbedding: the portable (GPU) graph traces `forward` instead."""
 
     @staticmethod
     def forward(ctx, a, c, transpose_cache, alpha):
@@ -110,6 +110,14 @@ class _SplitLast(torch.autograd.Function):
         return parts
 
 
+def _rotary_portable(x, cos, sin, num_heads, head_dim):
+    """_Rotary in standard ops, with cos/sin [B, S, 1, D] gathered once per graph (not per layer):
+    a Reshape, a constant Split, Neg, Concat, two Muls and an Add per call."""
+    xs = _Reshape.apply(x, (0, -1, num_heads, head_dim))  # [B, S, N, D]
+    x1, x2 = xs.split(head_dim // 2, -1)
+    return _Reshape.apply(xs * cos + torch.cat((-x2, x1), -1) * sin, (0, -1, num_heads * head_dim))
+
+
 def _f32(x):
     """x in float32 (attention math runs in fp32 for fp16 models); no Cast node when it already is."""
     return x if x.dtype == torch.float32 else x.float()
@@ -132,10 +140,14 @@ def _fused_linear(mods: list[nn.Linear]) -> nn.Linear:
 
 
 class DeltaKVDecoder(nn.Module):
-    """`hf_model` rewritten for export; it consumes the model (projections are fused in place)."""
+    """`hf_model` rewritten for export; it consumes the model (projections are fused in place).
 
-    def __init__(self, hf_model, max_len: int = 4096, output_ids=None):
+    `portable`: standard ONNX ops only (no com.microsoft RotaryEmbedding/FusedMatMul), for
+    onnxruntime's CUDA provider and TensorRT; the default graph is the fastest on onnxruntime's CPU."""
+
+    def __init__(self, hf_model, max_len: int = 4096, output_ids=None, portable: bool = False):
         super().__init__()
+        self.portable = portable
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ExportError(
@@ -177,6 +189,8 @@ class DeltaKVDecoder(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos = self.cos_table.to(h.dtype)
         sin = self.sin_table.to(h.dtype)
+        if self.portable:  # [B, S, 1, D] at the input positions, shared by every layer
+            cos, sin = (torch.cat((t[position_ids], t[position_ids]), -1)[:, :, None] for t in (cos, sin))
 
         # Mask by cache slot, built without shape arithmetic: slot index = cumsum(ones) - 1.
         kv_slot = torch.cumsum(torch.ones_like(attention_mask), -1) - 1  # [B, T]
@@ -187,7 +201,8 @@ class DeltaKVDecoder(nn.Module):
         bias = bias.repeat(1, 1, rep, 1)  # [B, 1, rep*S, T]: the row order of the grouped queries below
 
         # [P, S]: the past and new parts of each attention row, for _SplitLast (shape ops once, not per layer)
-        past_new = torch.cat((torch._shape_as_tensor(past[0])[:1], torch._shape_as_tensor(input_ids)[1:]))
+        past_new = None if self.portable else torch.cat((torch._shape_as_tensor(past[0])[:1],
+                                                          torch._shape_as_tensor(input_ids)[1:]))
 
         new_kv = []
         for i, layer in enumerate(self.model.layers):
@@ -197,8 +212,10 @@ class DeltaKVDecoder(nn.Module):
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
                 q = _Reshape.apply(attn.q_norm(_Reshape.apply(q, (0, -1, H, D))), (0, -1, H * D))
                 k = _Reshape.apply(attn.k_norm(_Reshape.apply(k, (0, -1, Hkv, D))), (0, -1, Hkv * D))
-            q = _Rotary.apply(q, position_ids, cos, sin, H)
-            k = _Rotary.apply(k, position_ids, cos, sin, Hkv)
+            if self.portable:
+                q, k = _rotary_portable(q, cos, sin, H, D), _rotary_portable(k, cos, sin, Hkv, D)
+            else:
+                q, k = _Rotary.apply(q, position_ids, cos, sin, H), _Rotary.apply(k, position_ids, cos, sin, Hkv)
             k_new = _Reshape.apply(k, (0, -1, Hkv, D)).transpose(0, 1)  # [S, B, Hkv, D]
             v_new = _Reshape.apply(v, (0, -1, Hkv, D)).transpose(0, 1)  # [S, B, Hkv, D]
             new_kv += [k_new, v_new]
@@ -207,11 +224,17 @@ class DeltaKVDecoder(nn.Module):
             # scores and weighted values in two parts each, read from the caches in place.
             qg = _Reshape.apply(_f32(_Reshape.apply(q, (0, -1, Hkv, rep, D)).permute(0, 2, 3, 1, 4)),
                                 (0, Hkv, -1, D))  # [B, Hkv, rep*S, D]
-            scores = torch.cat((_CacheMatMul.apply(qg, _f32(past[2 * i]), True, attn.scaling),
-                                _CacheMatMul.apply(qg, _f32(k_new), True, attn.scaling)), -1)  # [B, Hkv, rep*S, T]
-            p_past, p_new = _SplitLast.apply(torch.softmax(scores + bias, dim=-1), past_new)
-            out = (_CacheMatMul.apply(p_past, _f32(past[2 * i + 1]), False, 1.0)
-                   + _CacheMatMul.apply(p_new, _f32(v_new), False, 1.0)).to(h.dtype)  # [B, Hkv, rep*S, D]
+            if self.portable:  # standard ops only: concatenate past and new (cheap on a GPU)
+                keys = _f32(torch.cat((past[2 * i], k_new)))  # [T, B, Hkv, D]
+                values = _f32(torch.cat((past[2 * i + 1], v_new)))
+                probs = torch.softmax(_CacheMatMul.forward(None, qg, keys, True, attn.scaling) + bias, dim=-1)
+                out = _CacheMatMul.forward(None, probs, values, False, 1.0).to(h.dtype)  # [B, Hkv, rep*S, D]
+            else:
+                scores = torch.cat((_CacheMatMul.apply(qg, _f32(past[2 * i]), True, attn.scaling),
+                                    _CacheMatMul.apply(qg, _f32(k_new), True, attn.scaling)), -1)  # [B, Hkv, rep*S, T]
+                p_past, p_new = _SplitLast.apply(torch.softmax(scores + bias, dim=-1), past_new)
+                out = (_CacheMatMul.apply(p_past, _f32(past[2 * i + 1]), False, 1.0)
+                       + _CacheMatMul.apply(p_new, _f32(v_new), False, 1.0)).to(h.dtype)  # [B, Hkv, rep*S, D]
             out = _Reshape.apply(_Reshape.apply(out, (0, Hkv, rep, -1, D)).permute(0, 3, 1, 2, 4), (0, -1, H * D))  # [B, S, H*D]
             h = h + attn.o_proj(out)
             gate_up = self.gate_up[i]
@@ -230,11 +253,13 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ["input_ids", "position_ids", "attention_mask", "logit_positions", *past], ["logits", *new]
 
 
-def export_onnx(hf_model, out_path, max_len: int = 4096, output_ids=None, opset: int = 18) -> DeltaKVDecoder:
+def export_onnx(hf_model, out_path, max_len: int = 4096, output_ids=None, opset: int = 18,
+                portable: bool = False) -> DeltaKVDecoder:
     """Trace the delta-KV decoder of `hf_model` to `out_path` (external data for large models).
     Positions must stay below `max_len` (the size of the rotary tables). Consumes `hf_model`.
-    `output_ids`: logits only for these token ids (a restricted draft vocabulary)."""
-    wrapper = DeltaKVDecoder(hf_model, max_len, output_ids).eval()
+    `output_ids`: logits only for these token ids (a restricted draft vocabulary).
+    `portable`: standard ops only (GPU: onnxruntime CUDA, TensorRT); see DeltaKVDecoder."""
+    wrapper = DeltaKVDecoder(hf_model, max_len, output_ids, portable).eval()
     dtype = next(hf_model.parameters()).dtype
     L, Hkv, D = wrapper.num_layers, wrapper.num_kv_heads, wrapper.head_dim
     B, S, P = 1, 3, 2

@@ -24,7 +24,7 @@ class ExportConfig:
     target: str
     draft: str | None
     out: Path
-    precision: str = "fp32"  # fp32 | int4
+    precision: str = "fp32"  # fp32 | int4 (CPU, edge) | fp16 (GPU: standard ops, see graph.DeltaKVDecoder)
     max_len: int = 2048
     max_draft_len: int = 8
     block_size: int = 128  # int4: weights per quantization block (128: ~23% faster steps than 32 here, see README)
@@ -32,11 +32,20 @@ class ExportConfig:
     symmetric: bool = False  # int4: False = a 4-bit zero point per block too (closer to the weights, same speed)
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
+    engine: str = "none"  # "tensorrt": also build TensorRT engines (engines/trt.py) next to the graphs
+    prefill_chunk: int = 256  # tensorrt: the prefill profile's widest chunk; longer prompts run in chunks
     overwrite: bool = False
 
     def __post_init__(self):
-        if self.precision not in ("fp32", "int4"):
-            raise ExportError(f"unknown precision {self.precision!r}; choose fp32 or int4")
+        if self.precision not in ("fp32", "fp16", "int4"):
+            raise ExportError(f"unknown precision {self.precision!r}; choose fp32, fp16 or int4")
+        if self.engine not in ("none", "tensorrt"):
+            raise ExportError(f"unknown engine {self.engine!r}; choose none or tensorrt")
+        if self.engine == "tensorrt" and self.precision == "int4":
+            raise ExportError("TensorRT engines are built from fp16 or fp32 graphs (int4 here is onnxruntime's "
+                              "MatMulNBits); use --precision fp16")
+        if self.prefill_chunk < 1:
+            raise ExportError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_len < 16:
             raise ExportError(f"max_len must be >= 16, got {self.max_len}")
         if not 1 <= self.max_draft_len <= 64:
@@ -85,6 +94,10 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
                                   f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         toks = {r: load.save_tokenizer(s, tmp / f"tok-{r}") for r, s in sources.items()}
         preflight(configs, tmp, cfg.precision)
+        if cfg.engine == "tensorrt":
+            from specrt.engines import trt
+
+            trt.require_tensorrt()  # before minutes of export: fail now if the engines cannot be built here
         widths = {r: int(c.vocab_size) for r, c in configs.items()}
         vocab = check_tokenizers(toks, widths)
         for name in TOKENIZER_FILES:
@@ -114,6 +127,10 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
             tokenizer_files=tuple(n for n in TOKENIZER_FILES if (tmp / n).is_file()),
             created_by=f"specrt {_version()}",
         )
+        if cfg.engine == "tensorrt":
+            from specrt.engines import trt
+
+            manifest = trt.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log)
         (tmp / MANIFEST_NAME).write_text(manifest.to_json())
         _swap_in(tmp, out)
         return manifest
@@ -233,9 +250,10 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     from specrt.export import graph, load
 
     folder.mkdir()
-    model = load.load_model(src)
+    model = load.load_model(src, "float16" if cfg.precision == "fp16" else "float32")
     path = folder / "model.onnx"
-    wrapper = graph.export_onnx(model, path, cfg.max_len, output_ids)
+    portable = cfg.precision == "fp16" or cfg.engine == "tensorrt"
+    wrapper = graph.export_onnx(model, path, cfg.max_len, output_ids, portable=portable)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
                 num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
                 logits_width=int(model.config.vocab_size) if output_ids is None else len(output_ids))
@@ -259,8 +277,9 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
             if name.startswith(("past_", "new_")):
                 v["shape"] = [v["shape"][0], "batch", spec["num_kv_heads"], spec["head_dim"]]
     outputs["logits"]["shape"] = ["batch", "n_logits", spec["logits_width"]]
-    return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision, dtype="float32",
-                      inputs=inputs, outputs=outputs, quantization=quant, **spec)
+    return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision,
+                      dtype="float16" if cfg.precision == "fp16" else "float32", inputs=inputs, outputs=outputs,
+                      quantization=quant, portable=portable, **spec)
 
 
 def _consolidate(path: Path) -> None:

@@ -108,6 +108,10 @@ def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
     """An OrtEngine of batch `batch` with its own KV buffers over the loaded session of engine `base`."""
     from specrt.engines.ort import OrtEngine
 
+    if getattr(base, "device", None) != "cpu":
+        # The ragged cache moves rows with numpy (load_row, compact); GPU buffers would need device copies.
+        raise ConfigError(f"batched decoding runs on the CPU for now, this pair is loaded on {getattr(base, 'device', '?')}; "
+                          "load it with device='cpu' (--device cpu)")
     return OrtEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session)
 
 

@@ -477,7 +477,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         if pending and ray_address is None:
             from specrt.runtime.pair import load
 
-            pair = load(pair_dir, threads=threads)
+            pair = load(pair_dir, threads=threads, device="cpu")  # batching runs on the CPU (batch.batch_engine)
         elif pending:
             ray, own_ray = _ray_start(ray_address, ray_init)
         for r in todo:
@@ -535,7 +535,7 @@ class RayWorker:
     def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False):
         import specrt
 
-        self.pair = specrt.load(pair_dir, threads=threads)
+        self.pair = specrt.load(pair_dir, threads=threads, device="cpu")
         self.runner = Runner(self.pair, batch_size, try_plain=try_plain)
 
     def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:

@@ -29,6 +29,7 @@ from specrt.config import Manifest, ModelEntry
 from specrt.errors import ConfigError, PairError
 
 ENV_AVAILABLE = "SPECRT_MEM_AVAILABLE_BYTES"
+ENV_GPU_AVAILABLE = "SPECRT_GPU_MEM_AVAILABLE_BYTES"  # the same knob for the GPU's free memory
 WORKSPACE_FRACTION = 0.15  # of the weights
 WORKSPACE_FIXED = 64 << 20  # bytes
 MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
@@ -107,17 +108,66 @@ def estimate(pair_dir, manifest: Manifest, batch: int = 1) -> MemoryEstimate:
         max_len=manifest.max_len, batch=batch, kv_per_token=per)
 
 
+def _env_bytes(name: str) -> int | None:
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{name} must be a number of bytes (an integer >= 0), got {env!r}")
+    return value
+
+
+def _libcuda():
+    """The CUDA driver library through ctypes (no toolkit or cuda-python needed), initialised; or None."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return lib if lib.cuInit(0) == 0 else None
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the driver shows this process (0 without a driver)."""
+    import ctypes
+
+    lib = _libcuda()
+    n = ctypes.c_int(0)
+    return n.value if lib is not None and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
+
+
+def gpu_free_bytes(device_id: int = 0) -> int | None:
+    """Free memory of CUDA device `device_id`: $SPECRT_GPU_MEM_AVAILABLE_BYTES, else the driver's
+    cuMemGetInfo in the device's primary context (the one onnxruntime uses too), else None."""
+    env = _env_bytes(ENV_GPU_AVAILABLE)
+    if env is not None:
+        return env
+    import ctypes
+
+    lib = _libcuda()
+    dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    if (lib is None or lib.cuDeviceGet(ctypes.byref(dev), device_id) != 0
+            or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0):
+        return None
+    try:
+        ok = lib.cuCtxPushCurrent_v2(ctx) == 0 and lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        lib.cuDevicePrimaryCtxRelease_v2(dev)
+    return free.value if ok else None
+
+
 def available_bytes() -> int | None:
     """Memory available to a new allocation: $SPECRT_MEM_AVAILABLE_BYTES, else MemAvailable, else None."""
-    env = os.environ.get(ENV_AVAILABLE, "").strip()
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ConfigError(f"{ENV_AVAILABLE} must be a number of bytes (an integer >= 0), got {env!r}")
-        return value
+    env = _env_bytes(ENV_AVAILABLE)
+    if env is not None:
+        return env
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -133,10 +183,14 @@ def fmt(n: int) -> str:
     return f"{n / (1 << 30):.2f} GB" if n >= 1 << 30 else f"{n / MB:.1f} MB"
 
 
-def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | None = None) -> MemoryEstimate:
-    """Refuse (PairError) a pair whose estimate exceeds the available memory; return the estimate."""
+def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | None = None,
+                 device: str = "cpu", device_id: int = 0) -> MemoryEstimate:
+    """Refuse (PairError) a pair whose estimate exceeds the available memory; return the estimate.
+    `device` "cuda": the weights, caches and workspace must fit in the GPU's free memory."""
     est = estimate(pair_dir, manifest, batch)
-    avail = available_bytes() if available is None else available
+    if available is None:
+        available = gpu_free_bytes(device_id) if device == "cuda" else available_bytes()
+    avail = available
     if avail is None or est.total <= avail:
         return est
     parts = (f"weights {fmt(sum(est.weights.values()))} + KV caches {fmt(sum(est.kv_cache.values()))} "
@@ -148,5 +202,6 @@ def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | 
     else:
         fix = ("the weights alone do not fit: use smaller models, --precision int4, a target-only pair, "
                "or free memory")
-    raise PairError(f"not enough memory to load {pair_dir}: it needs about {fmt(est.total)} ({parts}), "
+    where = f"GPU memory on cuda:{device_id}" if device == "cuda" else "memory"
+    raise PairError(f"not enough {where} to load {pair_dir}: it needs about {fmt(est.total)} ({parts}), "
                     f"{fmt(avail)} are available; {fix}")

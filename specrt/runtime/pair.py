@@ -101,8 +101,7 @@ class Pair:
     """
 
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
-                 check_memory: bool = True):
-        from specrt.engines.ort import OrtEngine
+                 check_memory: bool = True, device: str = "auto"):
         from specrt.runtime import memory
         from specrt.runtime.text import TextCodec
 
@@ -116,8 +115,11 @@ class Pair:
         self.last_result: Result | None = None  # the Result of the latest finished generate/stream
         self.dir = Path(pair_dir)
         self.manifest = m = read_manifest(self.dir)
+        # "cpu", "cuda" or "tensorrt"; device_note says why auto did not take a GPU when the pair is made for one
+        self.device, self.device_note = resolve_device(device, m, self.dir)
         # Before hashing or loading anything: a pair that cannot fit is refused in milliseconds.
-        self.memory = memory.check_memory(self.dir, m) if check_memory else memory.estimate(self.dir, m)
+        on = "cpu" if self.device == "cpu" else "cuda"
+        self.memory = memory.check_memory(self.dir, m, device=on) if check_memory else memory.estimate(self.dir, m)
         if verify:
             for entry in (m.target, m.draft):
                 if entry is not None:
@@ -128,8 +130,8 @@ class Pair:
         if top != m.vocab_size:
             raise PairError(f"{self.dir / 'tokenizer.json'} does not match the manifest: its ids go up to {top - 1}, "
                             f"the pair's vocabulary has {m.vocab_size} ids (replaced tokenizer?); re-export the pair")
-        self.target = OrtEngine(self.dir, m.target, m.max_len, m.max_draft_len + 1, threads=threads)
-        self.draft = OrtEngine(self.dir, m.draft, m.max_len, 1, threads=threads) if m.draft else None
+        self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
+        self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
@@ -457,10 +459,66 @@ def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
                           f"exceeds max_len {m.max_len}; {fix}")
 
 
+DEVICES = ("auto", "cpu", "cuda", "tensorrt")
+
+
+def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
+    """The device a pair runs on, and a note when "auto" stays on the CPU although the pair is made for a GPU.
+
+    auto: TensorRT when the pair has engines and TensorRT loads, else onnxruntime's CUDA provider when the
+    graphs are portable (fp16) and a CUDA device is visible, else the CPU. An explicit device that cannot
+    work is a ConfigError/PairError with the reason, never a silent fallback."""
+    from specrt.engines.ort import cuda_available
+
+    if requested not in DEVICES:
+        raise ConfigError(f"unknown device {requested!r}; choose one of {', '.join(DEVICES)}")
+    portable = m.target.portable and (m.draft is None or m.draft.portable)
+    if requested == "cpu":
+        return "cpu", None
+    if requested == "tensorrt":
+        if not m.engines:
+            raise PairError(f"{pair_dir} has no TensorRT engines; build them with `specrt build-engines {pair_dir}` "
+                            "(an fp16 pair: `specrt export --precision fp16 --engine tensorrt`)")
+        return "tensorrt", None
+    why = cuda_available()
+    if requested == "cuda":
+        if why:
+            raise PairError(f"cannot run on cuda: {why}")
+        if not portable:
+            raise PairError(f"{pair_dir} was exported for the CPU (onnxruntime contrib ops); export it with "
+                            "--precision fp16 to run on a GPU")
+        return "cuda", None
+    if not portable and not m.engines:
+        return "cpu", None  # a CPU pair: nothing to note
+    if m.engines and not why:
+        try:
+            import tensorrt  # noqa: F401
+            return "tensorrt", None
+        except ImportError:
+            pass
+    if portable and not why:
+        return "cuda", None
+    return "cpu", f"running on the CPU: this pair is made for a GPU, but {why}"
+
+
+def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
+    entry = getattr(m, role)
+    if device == "tensorrt":
+        from specrt.engines.trt import TrtEngine
+
+        return TrtEngine(pair_dir, entry, role, m, max_logits)
+    from specrt.engines.ort import OrtEngine
+
+    return OrtEngine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device)
+
+
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
-         check_memory: bool = True) -> Pair:
+         check_memory: bool = True, device: str = "auto") -> Pair:
     """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any).
 
     `check_memory=False` skips the memory estimate check (see `Pair`).
+    `device`: "auto" (default: TensorRT engines, else CUDA for an fp16 pair, else the CPU; `pair.device`
+    says which, `pair.device_note` why a GPU pair stayed on the CPU), "cpu", "cuda" or "tensorrt".
     """
-    return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned, check_memory=check_memory)
+    return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned, check_memory=check_memory,
+                device=device)
