@@ -46,6 +46,8 @@ def main():
 @click.option("--precision", type=click.Choice(["fp32", "int4", "fp16"]), default="fp32", show_default=True,
               help="Weights: fp32; int4 weight-only (MatMulNBits) for CPU/edge; fp16 for GPUs (standard ops, for "
                    "onnxruntime's CUDA provider and TensorRT).")
+@click.option("--portable", is_flag=True,
+              help="Standard ONNX ops only, for a GPU (implied by fp16 and --engine tensorrt): an fp32 pair for CUDA.")
 @click.option("--engine", type=click.Choice(["none", "tensorrt"]), default="none", show_default=True,
               help="tensorrt: also build TensorRT engines (prefill, verify and step profiles) on this machine's GPU.")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
@@ -64,7 +66,7 @@ def main():
 @click.option("--draft-vocab-text", "draft_vocab_texts", type=click.Path(path_type=Path), multiple=True,
               help="Calibration text for --draft-vocab (repeatable; default: Python's standard library sources).")
 @_errors
-def export(target, draft, out, precision, engine, prefill_chunk, max_draft_len, max_len, block_size, accuracy_level,
+def export(target, draft, out, precision, portable, engine, prefill_chunk, max_draft_len, max_len, block_size, accuracy_level,
            asymmetric, draft_vocab, draft_vocab_texts, overwrite):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
     from specrt.export.pair import ExportConfig, export_pair
@@ -72,7 +74,7 @@ def export(target, draft, out, precision, engine, prefill_chunk, max_draft_len, 
     cfg = ExportConfig(target=target, draft=draft, out=out, precision=precision, max_len=max_len,
                        max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
                        symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts),
-                       engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite)
+                       portable=portable, engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite)
     m = export_pair(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
 

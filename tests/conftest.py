@@ -138,3 +138,16 @@ def int4_default_pair(int4_default_dir):
 @pytest.fixture(scope="session")
 def pairs(qwen_pair, llama_pair) -> dict:
     return {"qwen2": qwen_pair, "llama": llama_pair}
+
+
+@pytest.fixture(scope="session")
+def portable_dir(work, hf_tiny) -> Path:
+    """The qwen2 tiny pair with standard ops only (fp32): what a GPU runs, exact enough to compare."""
+    export(*hf_tiny["qwen2"], work / "pair-portable", portable=True)
+    return work / "pair-portable"
+
+
+@pytest.fixture(scope="session")
+def fp16_dir(work, hf_tiny) -> Path:
+    export(*hf_tiny["qwen2"], work / "pair-fp16", precision="fp16")
+    return work / "pair-fp16"

@@ -42,6 +42,17 @@ def cuda_available() -> str | None:
     return None
 
 
+def _preload_cuda_libraries() -> None:
+    """Load CUDA/cuDNN from the nvidia-* pip packages when they are installed (onnxruntime >= 1.21 looks
+    for them there only when asked); system-wide CUDA installs need nothing."""
+    import onnxruntime as ort
+
+    try:
+        ort.preload_dlls()
+    except Exception:  # older onnxruntime, or no such packages: the dynamic loader's search applies
+        pass
+
+
 def _cuda_provider(device_id: int):
     """The CUDA provider's options: device memory grows in its own arena; the default stream is used
     for copies so a host read of the logits waits for the pass that wrote them."""
@@ -91,6 +102,7 @@ class OrtEngine:
                 if not entry.portable:
                     raise PairError(f"{path} uses onnxruntime's CPU-only contrib ops; export the pair with "
                                     "--precision fp16 for a GPU")
+                _preload_cuda_libraries()
                 providers = [_cuda_provider(device_id), "CPUExecutionProvider"]
             try:
                 session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning),

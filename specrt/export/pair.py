@@ -32,6 +32,7 @@ class ExportConfig:
     symmetric: bool = False  # int4: False = a 4-bit zero point per block too (closer to the weights, same speed)
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
+    portable: bool = False  # standard ONNX ops only (implied by fp16 and tensorrt): fp32 graphs for a GPU
     engine: str = "none"  # "tensorrt": also build TensorRT engines (engines/trt.py) next to the graphs
     prefill_chunk: int = 256  # tensorrt: the prefill profile's widest chunk; longer prompts run in chunks
     overwrite: bool = False
@@ -41,6 +42,8 @@ class ExportConfig:
             raise ExportError(f"unknown precision {self.precision!r}; choose fp32, fp16 or int4")
         if self.engine not in ("none", "tensorrt"):
             raise ExportError(f"unknown engine {self.engine!r}; choose none or tensorrt")
+        if self.portable and self.precision == "int4":
+            raise ExportError("int4 graphs use onnxruntime's CPU-oriented MatMulNBits; a portable graph is fp32 or fp16")
         if self.engine == "tensorrt" and self.precision == "int4":
             raise ExportError("TensorRT engines are built from fp16 or fp32 graphs (int4 here is onnxruntime's "
                               "MatMulNBits); use --precision fp16")
@@ -252,7 +255,7 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     folder.mkdir()
     model = load.load_model(src, "float16" if cfg.precision == "fp16" else "float32")
     path = folder / "model.onnx"
-    portable = cfg.precision == "fp16" or cfg.engine == "tensorrt"
+    portable = cfg.portable or cfg.precision == "fp16" or cfg.engine == "tensorrt"
     wrapper = graph.export_onnx(model, path, cfg.max_len, output_ids, portable=portable)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
                 num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
