@@ -79,6 +79,28 @@ def export(target, draft, out, precision, portable, engine, prefill_chunk, max_d
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
 
 
+@main.command("build-engines")
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+              help="Widest prefill chunk of the engines' profile; longer prompts are run in chunks.")
+@_errors
+def build_engines(pair_dir, prefill_chunk):
+    """Build TensorRT engines for an fp16 pair on this machine's GPU (again after a TensorRT or GPU change)."""
+    from specrt.config import MANIFEST_NAME, read_manifest
+    from specrt.engines.trt import build_pair_engines
+    from specrt.errors import ConfigError
+
+    if prefill_chunk < 1:
+        raise ConfigError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
+    m = read_manifest(pair_dir)
+    m = build_pair_engines(pair_dir, m, min(prefill_chunk, m.max_len), log=lambda s: click.echo(s, err=True))
+    tmp = pair_dir / f".{MANIFEST_NAME}.tmp"
+    tmp.write_text(m.to_json())
+    os.replace(tmp, pair_dir / MANIFEST_NAME)  # a reader never sees half a manifest
+    click.echo(f"built TensorRT {m.engines['tensorrt_version']} engines for compute capability "
+               f"{m.engines['compute_capability']} in {pair_dir}", err=True)
+
+
 @main.command()
 @click.argument("name")
 @click.option("--out", type=click.Path(path_type=Path), default=None,

@@ -201,24 +201,31 @@ class _FakeTrt:
     class MemoryPoolType:
         WORKSPACE = 0
 
-    def __init__(self, input_names):
-        self.calls, self.names = [], input_names
+    def __init__(self):
+        self.calls = []
         fake = self
 
         class Net:
-            num_inputs = len(input_names)
+            names: list = []
+
+            @property
+            def num_inputs(self):
+                return len(self.names)
 
             def get_input(self, i):
-                return types.SimpleNamespace(name=input_names[i])
+                return types.SimpleNamespace(name=self.names[i])
 
         class Parser:
             num_errors = 0
 
             def __init__(self, net, logger):
-                pass
+                self.net = net
 
-            def parse_from_file(self, path):
+            def parse_from_file(self, path):  # the network's inputs are the graph's
+                import onnx
+
                 fake.calls.append(("parse", Path(path).name))
+                self.net.names = [i.name for i in onnx.load(path, load_external_data=False).graph.input]
                 return True
 
         class Profile:
@@ -266,7 +273,7 @@ class _FakeTrt:
 
 def test_trt_build_sets_every_input_of_every_profile(fp16_dir, tmp_path):
     m = specrt.load(fp16_dir, device="cpu").manifest
-    fake = _FakeTrt(list(m.target.inputs))
+    fake = _FakeTrt()
     profs = trt.profiles(m.target, "target", m.max_len, m.max_draft_len, 32)
     trt.build_engine(fake, fp16_dir / m.target.path, profs, tmp_path / "t.plan", tmp_path / "timing.cache", 1 << 30)
     assert ("flags", 1 << 1) in fake.calls  # strongly typed: precision comes from the fp16 graph
@@ -277,7 +284,7 @@ def test_trt_build_sets_every_input_of_every_profile(fp16_dir, tmp_path):
 
 
 def test_build_engines_refuses_a_contrib_graph(qwen_dir, monkeypatch):
-    monkeypatch.setattr(trt, "require_tensorrt", lambda error=ExportError: _FakeTrt([]))
+    monkeypatch.setattr(trt, "require_tensorrt", lambda error=ExportError: _FakeTrt())
     m = specrt.load(qwen_dir, device="cpu").manifest
     with pytest.raises(ExportError, match="contrib ops, which TensorRT cannot parse"):
         trt.build_pair_engines(qwen_dir, m)
@@ -286,3 +293,31 @@ def test_build_engines_refuses_a_contrib_graph(qwen_dir, monkeypatch):
 def test_manifest_without_engines_still_reads(qwen_dir):
     raw = json.loads((qwen_dir / "manifest.json").read_text())
     assert raw["engines"] is None and raw["target"]["portable"] is False
+
+
+def test_build_engines_command_writes_plans_and_manifest(fp16_dir, tmp_path, monkeypatch):
+    import sys
+
+    from _helpers import copy_pair
+
+    pair_dir = copy_pair(fp16_dir, tmp_path / "p")
+    m = specrt.load(pair_dir, device="cpu").manifest
+    monkeypatch.setitem(sys.modules, "tensorrt", _FakeTrt())
+    monkeypatch.setattr(trt, "gpu_identity", lambda device_id=0: ("8.7", "Orin (stand-in)"))
+    r = CliRunner().invoke(main, ["build-engines", str(pair_dir), "--prefill-chunk", "64"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((pair_dir / "manifest.json").read_text())["engines"]
+    assert meta["tensorrt_version"] == "10.99.0" and meta["compute_capability"] == "8.7"
+    for role in ("target", "draft"):
+        assert (pair_dir / meta[role]["plan"]).read_bytes() == b"plan"
+        assert [p["name"] for p in meta[role]["profiles"]] == (["verify", "prefill"] if role == "target" else ["step", "prefill"])
+    assert (pair_dir / "timing.cache").is_file()
+    with specrt.load(pair_dir, device="cpu") as pair:  # the graphs still run on onnxruntime
+        assert pair.generate("def f(x):", max_new_tokens=4).tokens
+    r = CliRunner().invoke(main, ["build-engines", str(pair_dir), "--prefill-chunk", "0"])
+    assert r.exit_code == 2 and "--prefill-chunk must be >= 1" in r.stderr
+    try:
+        import cuda  # noqa: F401
+    except ImportError:  # the runtime engine needs cuda-python: a clear error, not a traceback
+        r = CliRunner().invoke(main, ["generate", str(pair_dir), "--prompt", "x", "--device", "tensorrt"])
+        assert r.exit_code == 2 and "cuda-python is not installed" in r.stderr
