@@ -19,9 +19,16 @@ NV=$($PY -c "import glob, os, nvidia; print(':'.join(sorted({os.path.dirname(p) 
   echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1)"
   $PY -c "import onnxruntime as o, torch; print('onnxruntime', o.__version__, o.get_available_providers(), '| torch', torch.__version__)"
   $PY -c "import tensorrt as t; print('tensorrt', t.__version__)" 2>/dev/null || echo "tensorrt: not installed (engines unverified here)"
-  echo "== tests/test_gpu.py"
-  timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_gpu_path.py 2>&1 | tail -25
-  echo "== bench/gpu/speed.py"
-  timeout 420 $PY bench/gpu/speed.py --out "$OUT" ${SPEED_ARGS:-}
+  echo "== tests/test_gpu.py (each test in its own process: a crash names its test; full log in tests.log)"
+  for t in $($PY -m pytest -q -p no:cacheprovider --collect-only tests/test_gpu.py 2>/dev/null | grep '::'); do
+    timeout 60 $PY -m pytest -q -p no:cacheprovider -rs "$t" >> "$OUT/tests.log" 2>&1
+    echo "exit $? $t"
+  done
+  echo "== nodes onnxruntime keeps on the CPU (bench/gpu/placement.py)"
+  timeout 60 $PY bench/gpu/placement.py 2>&1 | grep -v "^\s*$" | head -80
+  if [ -z "${SKIP_SPEED:-}" ]; then
+    echo "== bench/gpu/speed.py"
+    timeout 380 $PY bench/gpu/speed.py --out "$OUT" ${SPEED_ARGS:-}
+  fi
   echo "== done $(date -u +%FT%TZ)"
 } 2>&1 | tee "$OUT/check.log"

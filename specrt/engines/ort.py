@@ -53,11 +53,15 @@ def _preload_cuda_libraries() -> None:
         pass
 
 
-def _cuda_provider(device_id: int):
+def _cuda_provider(device_id: int, dtype: str = "float16"):
     """The CUDA provider's options: device memory grows in its own arena; the default stream is used
-    for copies so a host read of the logits waits for the pass that wrote them."""
-    return ("CUDAExecutionProvider", {"device_id": device_id, "arena_extend_strategy": "kSameAsRequested",
-                                      "do_copy_in_default_stream": True})
+    for copies so a host read of the logits waits for the pass that wrote them. An fp32 graph runs in
+    fp32: onnxruntime's default TF32 matmuls (10-bit mantissa) moved the tiny test model's fp32 logits
+    ~0.3% from the CPU's on an H200 and flipped near-ties between one-token and verify passes."""
+    opts = {"device_id": device_id, "arena_extend_strategy": "kSameAsRequested", "do_copy_in_default_stream": True}
+    if dtype == "float32":
+        opts["use_tf32"] = 0
+    return ("CUDAExecutionProvider", opts)
 
 
 def session_options(threads: int | None = None, spinning: bool = True):
@@ -103,7 +107,7 @@ class OrtEngine:
                     raise PairError(f"{path} uses onnxruntime's CPU-only contrib ops; export the pair with "
                                     "--precision fp16 for a GPU")
                 _preload_cuda_libraries()
-                providers = [_cuda_provider(device_id), "CPUExecutionProvider"]
+                providers = [_cuda_provider(device_id, entry.dtype), "CPUExecutionProvider"]
             try:
                 session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning),
                                                providers=providers)

@@ -190,12 +190,15 @@ class DeltaKVDecoder(nn.Module):
         cos = self.cos_table.to(h.dtype)
         sin = self.sin_table.to(h.dtype)
         if self.portable:  # [B, S, 1, D] at the input positions, shared by every layer
-            cos, sin = (torch.cat((t[position_ids], t[position_ids]), -1)[:, :, None] for t in (cos, sin))
+            cos, sin = (torch.cat((g, g), -1)[:, :, None] for g in (cos[position_ids], sin[position_ids]))
 
         # Mask by cache slot, built without shape arithmetic: slot index = cumsum(ones) - 1.
         kv_slot = torch.cumsum(torch.ones_like(attention_mask), -1) - 1  # [B, T]
         total = kv_slot[:, -1:] + 1  # [B, 1]  T = P + S
-        q_slot = total - S + torch.cumsum(torch.ones_like(input_ids), -1) - 1  # [B, S]
+        # S counted from data, not from the shape: a Shape->Gather here was the one node onnxruntime's CUDA
+        # provider left on the CPU (measured on an H200), which also rules out CUDA graph capture.
+        ones = torch.ones_like(input_ids)
+        q_slot = total - ones.sum(-1, keepdim=True) + torch.cumsum(ones, -1) - 1  # [B, S]
         allowed = (kv_slot[:, None, :] <= q_slot[:, :, None]) & (attention_mask[:, None, :] > 0)  # [B, S, T]
         bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]  # [B, 1, S, T]
         bias = bias.repeat(1, 1, rep, 1)  # [B, 1, rep*S, T]: the row order of the grouped queries below
