@@ -42,19 +42,35 @@ def test_auto_controller_choices():
     assert auto.choose(8) == 8 and auto.choose(3) == 3 and auto.choose(0) == 0
     assert auto.expected_tokens(0) == 1.0
     assert auto.expected_tokens(2) == pytest.approx(1 + 0.9 + 0.81)
-    dear = AutoDraftLen(8, dear_drafts(), prior=0.7)
+    dear = AutoDraftLen(8, dear_drafts(), prior=0.7, probe_budget=100.0)  # the schedule alone (no cost floor)
     picks = [dear.choose(8) for _ in range(16 + 32 + 64)]
     # plain decoding, probing after 16 rounds, then after 32, then 64: each failed probe doubles the wait
     assert [i for i, k in enumerate(picks) if k] == [15, 47, 111] and set(picks) == {0, 1}
     assert dear.rounds_skipped == len(picks) - 3
     costs = FrozenCosts(draft_s=0.5, target_s={1: 1.0, 9: 1.0})
-    turns = AutoDraftLen(8, costs, prior=0.1)
+    turns = AutoDraftLen(8, costs, prior=0.1, probe_budget=100.0)
     assert [turns.choose(8) for _ in range(40)].count(0) == 39 and turns._gap == 32
     turns.accept = [0.95] * 8  # the numbers now say drafting pays: it drafts, and the probe gap resets
     assert turns.choose(8) > 0 and turns._gap == turns.probe_every
     assert AutoDraftLen(8, CostModel()).choose(8) == 2  # nothing measured yet: a short probe
     auto.observe(4, 1)  # position 0 accepted, position 1 rejected, 2.. not reached
     assert auto.accept[0] > 0.9 > auto.accept[1] and auto.accept[2] == 0.9
+
+
+def test_probes_cost_at_most_their_budget():
+    """A probe costs about two draft steps and a wider verify; the gap before it keeps that under 1.5% of
+    the plain rounds it waits for. GPU-like costs (H200: draft 6.4 ms, target 7.4/8.0 ms) wait ~120 rounds,
+    CPU-like ones (draft 10 ms, target 29/33 ms) ~55, a free n-gram proposal the base 16."""
+    gpu = AutoDraftLen(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 8.0, 9: 9.0}), prior=0.0)
+    cpu = AutoDraftLen(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), prior=0.0)
+    free = AutoDraftLen(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 7.5, 9: 9.0}), prior=0.0, free_draft=True)
+    assert gpu.min_probe_gap() == 121 and cpu.min_probe_gap() == 56 and free.min_probe_gap() == 16
+    picks = [gpu.choose(8) for _ in range(400)]
+    first, second = [i for i, k in enumerate(picks) if k][:2]
+    assert first == 120 and second == first + 242  # then the wait doubles as before
+    for auto in (gpu, cpu):
+        spent = 2 * auto.costs.draft_s + auto.costs.target(2) - auto.costs.target(1)
+        assert spent <= 0.015 * auto.min_probe_gap() * auto.costs.target(1)
 
 
 def test_auto_re_measures_positions_past_its_choice():
@@ -154,6 +170,7 @@ def test_probe_schedule_carries_to_the_next_request(qwen_pair, monkeypatch):
     monkeypatch.setattr(qwen_pair, "costs", dear_drafts())
     monkeypatch.setattr(qwen_pair, "acceptance", {})
     monkeypatch.setattr(qwen_pair, "probes", {})
+    monkeypatch.setattr(AutoDraftLen, "min_probe_gap", lambda self: self.probe_every)  # the schedule alone
     first = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
     assert first["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 32  # one probe at round 16
     second = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
