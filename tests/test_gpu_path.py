@@ -135,7 +135,7 @@ def test_trt_profiles_cover_prefill_verify_and_step(qwen_dir):
         for name, (lo, opt, hi) in p["shapes"].items():
             assert all(a <= b <= c for a, b, c in zip(lo, opt, hi)), (p["name"], name)
         lo, opt, hi = p["shapes"]["past_key.0"]
-        assert lo[0] == 0 and hi[0] == m.max_len - p["seq"][2] and hi[2:] == [m.target.num_kv_heads, m.target.head_dim]
+        assert lo[0] == 0 and hi[0] == m.max_len - 1 and hi[2:] == [entry.num_kv_heads, entry.head_dim]
         assert p["shapes"]["attention_mask"][2] == [1, m.max_len]
         assert p["shapes"]["input_ids"][2] == [1, p["seq"][2]]
     assert dp[0]["seq"] == [1, 1, 2]  # one-token steps, and the two-token catch-up

@@ -84,7 +84,7 @@ def session_options(threads: int | None = None, spinning: bool = True):
 
 
 class OrtEngine:
-    """One model on onnxruntime's CPU provider. Implements engines.base.Engine."""
+    """One model on onnxruntime's CPU or CUDA provider. Implements engines.base.Engine."""
 
     def __init__(self, pair_dir: Path, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
                  threads: int | None = None, spinning: bool = True, session=None, device: str = "cpu",

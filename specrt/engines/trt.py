@@ -77,8 +77,9 @@ def profiles(entry: ModelEntry, role: str, max_len: int, max_draft_len: int, pre
         for inp in entry.inputs:
             lo = _dims(entry, inp, 1, s_min, 0, 1)
             opt = _dims(entry, inp, 1, s_opt, p_opt, 1 if name in ("prefill", "step") else s_opt)
-            hi = _dims(entry, inp, 1, s_max, max_len - s_max, s_max)
-            if inp == "attention_mask":  # P + S never exceeds max_len
+            # a one-token call may come at any past up to max_len - 1; P + S never exceeds max_len
+            hi = _dims(entry, inp, 1, s_max, max_len - 1, s_max)
+            if inp == "attention_mask":
                 hi = (1, max_len)
             shapes[inp] = [list(lo), list(opt), list(hi)]
         out.append({"name": name, "seq": [s_min, s_opt, s_max], "shapes": shapes})
@@ -232,7 +233,7 @@ class TrtEngine:
         self.entry, self.profiles = entry, info["profiles"]
         self.max_len, self.batch, self.length = manifest.max_len, 1, 0
         self.dtype = np.dtype(entry.dtype)
-        self.stream = _ok(cudart.cudaStreamCreate(), "cudaStreamCreate")
+        self.stream = int(_ok(cudart.cudaStreamCreate(), "cudaStreamCreate"))  # TensorRT takes the handle as an int
         self.contexts = []
         for i in range(len(self.profiles)):  # a profile belongs to one context: one context each
             ctx = self.engine.create_execution_context()
@@ -249,9 +250,11 @@ class TrtEngine:
         self._logits_dev = alloc(4 * max(max_logits, self.widest) * entry.logits_width)
         self._logits = np.empty((max(max_logits, self.widest), entry.logits_width), np.float32)
         self._max_logits = max_logits
+        self._staged: list[np.ndarray] = []
 
     def _copy_in(self, name: str, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr, np.int64)
+        self._staged.append(arr)  # alive until the stream is synchronized
         _ok(self._rt.cudaMemcpyAsync(self._in[name], arr.ctypes.data, arr.nbytes,
                                      self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream), "copy to device")
 
@@ -278,6 +281,7 @@ class TrtEngine:
         _ok(self._rt.cudaMemcpyAsync(out.ctypes.data, self._logits_dev, out.nbytes,
                                      self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream), "copy to host")
         _ok(self._rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        self._staged.clear()
         self.length = P + S
         return out
 
