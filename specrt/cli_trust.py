@@ -93,9 +93,34 @@ def pair_info(pair_dir: Path) -> dict:
         "memory": {**est.as_dict(), "available": avail, "fits": fits,
                    "max_len_that_fits": est.max_len_that_fits(avail) if fits is False else None},
         "tuned": tuned,
-        "engines": [{"name": "onnxruntime", "version": ort_version, "provider": "CPUExecutionProvider",
-                     "note": "the only engine today: onnxruntime on the CPU (no GPU or TensorRT backend yet)"}],
+        "engines": _engines(m, ort_version),
     }
+
+
+def _engines(m, ort_version) -> list[dict]:
+    """What can run this pair here: onnxruntime CPU always, CUDA for a portable (fp16) pair, TensorRT engines."""
+    from specrt.engines.ort import cuda_available
+
+    portable = m.target.portable and (m.draft is None or m.draft.portable)
+    why = cuda_available() if ort_version else "onnxruntime is not installed"
+    out = [{"name": "onnxruntime", "version": ort_version, "provider": "CPUExecutionProvider",
+            "note": "runs every pair (--device cpu)"},
+           {"name": "onnxruntime", "version": ort_version, "provider": "CUDAExecutionProvider",
+            "note": (why or "available") + ("" if portable else "; this pair's graphs are CPU-only (contrib ops): "
+                                            "export with --precision fp16 for a GPU")}]
+    try:
+        import tensorrt
+
+        trt_version = tensorrt.__version__
+    except ImportError:
+        trt_version = None
+    if m.engines:
+        built = f"engines built for TensorRT {m.engines.get('tensorrt_version')} on compute capability " \
+                f"{m.engines.get('compute_capability')} (unverified on hardware)"
+    else:
+        built = "no engines in this pair (specrt build-engines)"
+    out.append({"name": "tensorrt", "version": trt_version, "provider": "native", "note": built})
+    return out
 
 
 def format_info(d: dict) -> str:
