@@ -73,6 +73,17 @@ def test_probes_cost_at_most_their_budget():
         assert spent <= 0.015 * auto.min_probe_gap() * auto.costs.target(1)
 
 
+def test_hybrid_prices_the_draft_models_catch_up():
+    """hybrid compares an n-gram round with a model round; leaving a caught-up draft model costs it a
+    catch-up pass later (about a draft step), which the n-gram side's rate carries (decode.py)."""
+    costs = FrozenCosts(draft_s=0.4, target_s={1: 1.0, 2: 1.1, 5: 1.4})
+    ngram = AutoDraftLen(4, costs, prior=0.6, free_draft=True)
+    model = AutoDraftLen(4, costs, prior=0.9)
+    free, switching, drafted = ngram.best(4)[1], ngram.best(4, extra_s=0.4)[1], model.best(4)[1]
+    assert free > drafted > switching  # behind already: the n-gram round; caught up: the model round
+    assert switching == pytest.approx(max(ngram.expected_tokens(k) / (ngram.cost(k) + 0.4) for k in range(1, 5)))
+
+
 def test_auto_re_measures_positions_past_its_choice():
     """A pessimistic estimate at position 2 must not stick: every 8 rounds one more token is drafted,
     and once position 2 is seen accepted again, k=2 wins back."""

@@ -100,9 +100,10 @@ class AutoDraftLen:
         draft_s = 0.0 if self.free_draft else (self.costs.draft_s or 0.0)
         return (target or 0.0) + k * draft_s
 
-    def best(self, limit: int) -> tuple[int, float | None]:
+    def best(self, limit: int, extra_s: float = 0.0) -> tuple[int, float | None]:
         """(the k <= limit with the highest expected tokens per second, that rate); rate None while
-        nothing is measured yet. No side effects (choose adds the probing and widening)."""
+        nothing is measured yet. No side effects (choose adds the probing and widening). `extra_s`: a
+        cost a drafting round carries besides its passes (hybrid: the draft model's later catch-up)."""
         limit = min(limit, self.max_k)
         c1 = self.costs.target(1)
         draft_s = 0.0 if self.free_draft else self.costs.draft_s
@@ -110,7 +111,7 @@ class AutoDraftLen:
             return min(max(limit, 0), 2), None  # nothing measured yet: a short draft measures both costs
         best_k, best_rate = 0, 1.0 / c1
         for k in range(1, limit + 1):
-            rate = self.expected_tokens(k) / self.cost(k)
+            rate = self.expected_tokens(k) / (self.cost(k) + extra_s)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate

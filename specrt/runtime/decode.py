@@ -140,7 +140,12 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         auto = controller(src.kind) if limit > 0 else None
         hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
         if hybrid_ngram:  # use the proposal expected to pay more
-            rates = [a.best(limit)[1] for a in (auto, controller(drafter.model.kind))]
+            # Leaving a caught-up draft model for an n-gram round costs it a catch-up pass when it drafts
+            # again (about one draft step); once it is behind, more n-gram rounds add little to that pass.
+            model_auto = controller(drafter.model.kind)
+            caught_up = drafter.model.engine.length >= len(seq) - 2
+            switch_s = (model_auto.costs.draft_s or 0.0) if caught_up else 0.0
+            rates = [auto.best(limit, switch_s)[1], model_auto.best(limit)[1]]
             if None not in rates and rates[1] > rates[0]:
                 src, auto = drafter.model, controller(drafter.model.kind)
         k_now = auto.choose(limit) if auto else limit
