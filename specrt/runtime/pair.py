@@ -480,6 +480,8 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
             raise PairError(f"{pair_dir} has no TensorRT engines; build them with `specrt build-engines {pair_dir}` "
                             "(an fp16 pair: `specrt export --precision fp16 --engine tensorrt`)")
         return "tensorrt", None
+    if requested == "auto" and not portable and not m.engines:
+        return "cpu", None  # a CPU pair: nothing to look for, nothing to note
     why = cuda_available()
     if requested == "cuda":
         if why:
@@ -488,8 +490,6 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
             raise PairError(f"{pair_dir} was exported for the CPU (onnxruntime contrib ops); export it with "
                             "--precision fp16 to run on a GPU")
         return "cuda", None
-    if not portable and not m.engines:
-        return "cpu", None  # a CPU pair: nothing to note
     if m.engines and not why:
         try:
             import tensorrt  # noqa: F401
