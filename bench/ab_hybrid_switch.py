@@ -1,7 +1,7 @@
 """In-process A/B of hybrid's switching cost (decode.py: leaving a caught-up draft model costs it a catch-up
 pass later): hybrid auto with and without it, model auto, target-only, settings interleaved per prompt.
 Usage: python bench/ab_hybrid_switch.py PAIR_DIR REPEATS"""
-import statistics, sys, json
+import statistics, sys
 from pathlib import Path
 import specrt
 from specrt.runtime import adaptive

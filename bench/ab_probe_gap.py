@@ -1,7 +1,7 @@
 """In-process A/B of auto's probe schedule: the old one (first probe after 16 plain rounds, doubling) vs the
 cost-scaled one (runtime/adaptive.py min_probe_gap), target-only alongside, settings interleaved per prompt.
 Usage: python bench/ab_probe_gap.py PAIR_DIR REPEATS"""
-import statistics, sys, time, json
+import statistics, sys, json
 from pathlib import Path
 import specrt
 from specrt.runtime.adaptive import AutoDraftLen

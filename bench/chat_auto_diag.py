@@ -1,6 +1,6 @@
 """Per chat prompt: target-only then auto, alternating, with auto's plan (draft_len_hist, rounds skipped,
 predicted vs measured speedup). Usage: python bench/chat_auto_diag.py (the int4 pair of scripts/demo.sh)."""
-import specrt, json, statistics
+import specrt
 from pathlib import Path
 from specrt.runtime.bench import read_prompts
 pair = specrt.load('pairs/qwen2.5-coder-0.5b-1.5b-int4')

@@ -138,7 +138,6 @@ def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p
              stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
     from specrt.config import SamplingConfig
-    from specrt.runtime.pair import load
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     with load_pair(pair_dir, device) as pair:
@@ -213,7 +212,6 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     from specrt.errors import ConfigError
     from specrt.runtime.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench,
                                       run_bench)
-    from specrt.runtime.pair import load
 
     if (prompts is None) == (prompt_text is None):
         raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
@@ -267,7 +265,6 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
     """Measure this device and the prompts, pick the fastest drafting settings, store them in the manifest."""
     from specrt.errors import ConfigError
     from specrt.runtime.bench import format_table, read_prompts, settings_grid
-    from specrt.runtime.pair import load
     from specrt.runtime.tune import tune as run_tune, write_tuned
 
     try:

@@ -213,7 +213,6 @@ def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, 
     from specrt.errors import ConfigError
     from specrt.runtime import check as chk
     from specrt.runtime.bench import Prompt, read_prompts
-    from specrt.runtime.pair import load
 
     if draft_len < 1:
         raise ConfigError(f"--draft-len must be >= 1 (0 would compare target-only with itself), got {draft_len}")

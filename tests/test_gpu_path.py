@@ -301,7 +301,6 @@ def test_build_engines_command_writes_plans_and_manifest(fp16_dir, tmp_path, mon
     from _helpers import copy_pair
 
     pair_dir = copy_pair(fp16_dir, tmp_path / "p")
-    m = specrt.load(pair_dir, device="cpu").manifest
     monkeypatch.setitem(sys.modules, "tensorrt", _FakeTrt())
     monkeypatch.setattr(trt, "gpu_identity", lambda device_id=0: ("8.7", "Orin (stand-in)"))
     r = CliRunner().invoke(main, ["build-engines", str(pair_dir), "--prefill-chunk", "64"])
