@@ -101,7 +101,7 @@ def _engines(m, ort_version) -> list[dict]:
     """What can run this pair here: onnxruntime CPU always, CUDA for a portable (fp16) pair, TensorRT engines."""
     from specrt.engines.ort import cuda_available
 
-    portable = m.target.portable and (m.draft is None or m.draft.portable)
+    portable = m.portable
     why = cuda_available() if ort_version else "onnxruntime is not installed"
     out = [{"name": "onnxruntime", "version": ort_version, "provider": "CPUExecutionProvider",
             "note": "runs every pair (--device cpu)"},

@@ -134,6 +134,11 @@ class Manifest:
     # "compute_capability", "target": {"plan", "sha256", "profiles": [...]}, "draft": {...}}
     engines: dict | None = None
 
+    @property
+    def portable(self) -> bool:
+        """Every graph uses standard ops only (runs on onnxruntime's CUDA provider and TensorRT)."""
+        return self.target.portable and (self.draft is None or self.draft.portable)
+
     def graph_hashes(self) -> dict[str, str]:
         return {f: h for e in (self.target, self.draft) if e is not None for f, h in e.files.items()}
 

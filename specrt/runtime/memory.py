@@ -156,8 +156,10 @@ def gpu_free_bytes(device_id: int = 0) -> int | None:
             or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0):
         return None
     try:
-        ok = lib.cuCtxPushCurrent_v2(ctx) == 0 and lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
-        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        ok = lib.cuCtxPushCurrent_v2(ctx) == 0
+        if ok:
+            ok = lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     finally:
         lib.cuDevicePrimaryCtxRelease_v2(dev)
     return free.value if ok else None

@@ -472,7 +472,7 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
 
     if requested not in DEVICES:
         raise ConfigError(f"unknown device {requested!r}; choose one of {', '.join(DEVICES)}")
-    portable = m.target.portable and (m.draft is None or m.draft.portable)
+    portable = m.portable
     if requested == "cpu":
         return "cpu", None
     if requested == "tensorrt":
