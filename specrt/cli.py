@@ -282,7 +282,8 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
     click.echo(format_table(tuned["bench"]))
     c = tuned["costs"]
     widths = ", ".join(f"{w}: {s * 1000:.1f}" for w, s in c["target_s"].items())
-    click.echo(f"measured pass costs (ms): draft {c['draft_s'] * 1000 if c['draft_s'] else 0:.1f}; target by width {widths}")
+    read = f", a draft catch-up {c['draft_read_s'] * 1000:.2f} a token" if c.get("draft_read_s") else ""
+    click.echo(f"measured pass costs (ms): draft {c['draft_s'] * 1000 if c['draft_s'] else 0:.1f}{read}; target by width {widths}")
     click.echo(f"chose drafter {tuned['drafter']}, draft_len {tuned['draft_len']}, confidence_stop "
                f"{tuned['confidence_stop']}: {tuned['measured']['tokens_per_s']:.1f} tok/s"
                + (f", {tuned['measured']['speedup']:.2f}x target-only" if tuned["measured"]["speedup"] else ""))

@@ -25,6 +25,9 @@ class FrozenCosts(CostModel):
     def observe_target(self, width, seconds):
         pass
 
+    def observe_catchup(self, seconds, tokens):
+        pass
+
 
 def cheap_drafts():
     return FrozenCosts(draft_s=1e-6, target_s={1: 1.0, 2: 1.0, 9: 1.0})
@@ -58,19 +61,49 @@ def test_auto_controller_choices():
 
 
 def test_probes_cost_at_most_their_budget():
-    """A probe costs about two draft steps and a wider verify; the gap before it keeps that under 1.5% of
-    the plain rounds it waits for. GPU-like costs (H200: draft 6.4 ms, target 7.4/8.0 ms) wait ~120 rounds,
-    CPU-like ones (draft 10 ms, target 29/33 ms) ~55, a free n-gram proposal the base 16."""
+    """Before a catch-up is measured a probe is priced at two draft steps and a wider verify; the wait
+    keeps that under 1.5% of the plain rounds it waits for. GPU-like costs (H200: draft 6.4 ms, target
+    7.4/8.0 ms) wait ~120 rounds, CPU-like ones (draft 10 ms, target 29/33 ms) ~55, a free n-gram
+    proposal the base 16."""
+    def first_probe(auto, behind=0):
+        return next(i for i in range(5000) if auto.choose(8, behind))
+
     gpu = AutoDraftLen(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 8.0, 9: 9.0}), prior=0.0)
     cpu = AutoDraftLen(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), prior=0.0)
     free = AutoDraftLen(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 7.5, 9: 9.0}), prior=0.0, free_draft=True)
-    assert gpu.min_probe_gap() == 121 and cpu.min_probe_gap() == 56 and free.min_probe_gap() == 16
-    picks = [gpu.choose(8) for _ in range(400)]
-    first, second = [i for i, k in enumerate(picks) if k][:2]
-    assert first == 120 and second == first + 242  # then the wait doubles as before
-    for auto in (gpu, cpu):
-        spent = 2 * auto.costs.draft_s + auto.costs.target(2) - auto.costs.target(1)
-        assert spent <= 0.015 * auto.min_probe_gap() * auto.costs.target(1)
+    assert first_probe(gpu) == 120 and first_probe(cpu) == 55 and first_probe(free) == 15
+    assert first_probe(gpu) == 241  # then the wait doubles
+    for auto, gap in ((gpu, 121), (cpu, 56)):
+        assert auto.probe_cost(0) <= 0.015 * gap * auto.costs.target(1)
+
+
+def test_probes_wait_for_a_cheap_catch_up():
+    """Once a catch-up is measured, a probe costs the draft's read of every token it skipped. CPU-like
+    numbers (read 2.3 ms a token, target 29 ms): 1.5% of the plain rounds never covers a catch-up over
+    those same rounds, so inside a request no probe comes before `max_probe_every`; at the next
+    request's start the draft is behind by its prompt only, and the rounds carried over pay for it."""
+    costs = FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}, draft_read_s=2.3)
+    auto = AutoDraftLen(8, costs, prior=0.0, max_probe_every=600)
+    prompt = 50
+    picks = [auto.choose(8, behind=prompt + i) for i in range(500)]  # one long request, plain throughout
+    assert not any(picks) and auto.rounds_skipped == 500
+    assert auto.probe_cost(prompt) == pytest.approx(10.0 + 49 * 2.3 + 4.0)
+    nxt = AutoDraftLen(8, costs, prior=0.0, max_probe_every=600)
+    nxt.probe_state = auto.probe_state  # the next request, 500 plain rounds since the last probe
+    assert nxt.choose(8, behind=prompt) == 1  # 500 * 0.015 * 29 = 217 >= 127 ms
+    assert nxt.probe_cost(prompt) <= 0.015 * 500 * 29.0
+    long = AutoDraftLen(8, costs, prior=0.0, max_probe_every=600)
+    picks = [long.choose(8, behind=prompt + i) for i in range(700)]
+    assert [i for i, k in enumerate(picks) if k] == [599]  # at the latest after max_probe_every rounds
+
+
+def test_cost_model_learns_the_catch_up_read():
+    c = CostModel(draft_s=0.010)
+    c.observe_catchup(0.010 + 49 * 0.002, 50)
+    assert c.draft_read_s == pytest.approx(0.002)
+    c.observe_catchup(0.5, 2)  # a two-token pass is a draft step, not a catch-up
+    assert c.draft_read_s == pytest.approx(0.002)
+    assert CostModel().observe_catchup(1.0, 50) is None and CostModel().draft_read_s is None
 
 
 def test_hybrid_prices_the_draft_models_catch_up():
@@ -181,7 +214,7 @@ def test_probe_schedule_carries_to_the_next_request(qwen_pair, monkeypatch):
     monkeypatch.setattr(qwen_pair, "costs", dear_drafts())
     monkeypatch.setattr(qwen_pair, "acceptance", {})
     monkeypatch.setattr(qwen_pair, "probes", {})
-    monkeypatch.setattr(AutoDraftLen, "min_probe_gap", lambda self: self.probe_every)  # the schedule alone
+    monkeypatch.setattr(AutoDraftLen, "probe_cost", lambda self, behind: 0.0)  # the schedule alone
     first = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
     assert first["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 32  # one probe at round 16
     second = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
@@ -215,6 +248,29 @@ def test_catchup_pass_is_not_a_draft_step(qwen_pair):
     drafter.commit(len(seq) - 1)
     drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
     assert drafter.catchup_s == 0.0  # one token: an ordinary draft step
+
+
+def test_probe_is_priced_by_how_far_the_draft_is_behind(qwen_pair, monkeypatch):
+    """The loop tells the controller how many tokens a probe's catch-up would read (the prompt, then
+    one more per plain round), and books the catch-up's time per token into the shared cost model."""
+    monkeypatch.setattr(qwen_pair, "costs", CostModel(draft_s=10.0, target_s={1: 1.0, 9: 5.0}))
+    monkeypatch.setattr(qwen_pair, "acceptance", {})
+    monkeypatch.setattr(qwen_pair, "probes", {})
+    seen = []
+    due = AutoDraftLen.probe_due
+
+    def spy(self, behind):
+        seen.append(behind)
+        return due(self, behind)
+
+    monkeypatch.setattr(AutoDraftLen, "probe_due", spy)
+    monkeypatch.setattr(AutoDraftLen, "probe_cost", lambda self, behind: 0.0)  # probe when the schedule says
+    prompt = list(range(40, 52))
+    res = qwen_pair.generate(prompt, max_new_tokens=30, draft_len="auto", drafter="model")
+    assert res.stats["draft_len_hist"].get(1) == 1  # one probe, at round 16
+    assert seen[:16] == list(range(len(prompt) + 1, len(prompt) + 17))  # the draft has read nothing yet
+    assert seen[16] <= 2  # caught up by the probe
+    assert qwen_pair.costs.draft_read_s is not None  # the probe's catch-up pass, per token
 
 
 def test_auto_greedy_is_independent_of_costs(qwen_pair, monkeypatch):

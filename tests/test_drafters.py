@@ -186,11 +186,27 @@ def test_draft_cache_reuse_never_trusts_slots_past_the_sequence(qwen_pair):
     assert pair.draft.length == min(len(pair.draft_memory.seq), len(seq))
 
 
-def test_bench_measures_a_repeated_prompt_as_new(qwen_pair, monkeypatch):
-    """bench runs one prompt many times: each run must read its prompt again, not find it cached."""
+def test_bench_measures_each_run_as_a_new_prompt(qwen_pair, monkeypatch):
+    """bench runs a prompt under every setting back to back: each run must find in the draft's cache
+    only what following the previous prompt would leave there (their shared prefix), not itself."""
+    import statistics
+
     from specrt.runtime.bench import Prompt, run_bench
 
-    forgot = []
-    monkeypatch.setattr(qwen_pair.draft_memory, "forget", lambda: forgot.append(1))
-    run_bench(qwen_pair, [Prompt("a", list(range(3, 20)), "code")], [0, 2], max_new_tokens=4, repeats=2)
-    assert len(forgot) == 2 * 2  # before every timed run (the warm-ups ran the same prompt)
+    a = Prompt("a", [3, 4, 5, 6, 7] + list(range(20, 30)), "code")
+    b = Prompt("b", [3, 4, 5, 6, 7] + list(range(40, 52)), "chat")
+    seen, run = [], qwen_pair.run
+
+    def spy(ids, cfg):
+        seen.append(len(qwen_pair.draft_memory.seq))
+        return run(ids, cfg)
+
+    monkeypatch.setattr(qwen_pair, "run", spy)
+    res = run_bench(qwen_pair, [a, b], [0, 2], max_new_tokens=4, repeats=2)
+    assert seen[2:] == [5] * 8  # after the two warm-ups: the shared prefix only, every time
+    base, spec = res["rows"]
+    assert spec["speedup"] == pytest.approx(statistics.median(x / y for x, y in zip(spec["rates"], base["rates"])))
+    assert set(spec["speedup_by_class"]) == {"code", "chat"}
+    seen.clear()
+    run_bench(qwen_pair, [a], [0, 2], max_new_tokens=4, repeats=2)
+    assert seen[2:] == [0] * 4  # one prompt: read afresh each time

@@ -33,13 +33,14 @@ def test_tune_writes_settings_that_become_defaults(qwen_dir, tmp_path):
     assert tuned["drafter"] in ("model", "ngram")
     assert tuned["draft_len"] in (0, 2, "auto") and tuned["confidence_stop"] in (0.0, 0.5)
     assert set(tuned["costs"]["target_s"]) == {str(w) for w in range(1, 10)}
-    assert tuned["costs"]["draft_s"] > 0
+    assert tuned["costs"]["draft_s"] > 0 and tuned["costs"]["draft_read_s"] >= 0
     with specrt.load(d) as pair:
         assert pair.tuned["graphs"] == pair.manifest.graph_hashes()
         cfg = pair.config(max_new_tokens=4)
         assert (cfg.draft_len, cfg.drafter, cfg.confidence_stop) == (
             tuned["draft_len"], tuned["drafter"] if tuned["draft_len"] else pair.default_drafter, tuned["confidence_stop"])
         assert pair.costs.target(1) == pytest.approx(tuned["costs"]["target_s"]["1"])
+        assert pair.costs.draft_read_s == pytest.approx(tuned["costs"]["draft_read_s"])
         res = pair.generate("def f(x):", max_new_tokens=8)
         assert res.stats["draft_len"] == tuned["draft_len"]
         # explicit arguments still win over the tuned defaults

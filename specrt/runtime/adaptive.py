@@ -5,12 +5,17 @@ round with k drafts emits E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens and costs
 k * c_draft + c_target(k+1) (Leviathan et al. 2023, with measured rather than modelled costs).
 The controller picks the k that maximises E(k) / cost(k); k = 0 is plain decoding. When k = 0
 wins, it still probes with one draft token now and then, so it can resume drafting once the numbers
-say it pays: after `probe_every` rounds at first, but never sooner than a probe's measured cost
-allows (`probe_budget` of the plain rounds it waits for: a GPU draft step costs ~0.9 of a target
-step, a CPU one ~0.35); every probe that does not restart drafting doubles the wait before the
-next (up to `max_probe_every`), so a draft that never pays costs less and less. Likewise, positions
-past the chosen k are never observed, so a pessimistic estimate there would stick: every
-`widen_every` rounds the controller drafts one token more than it would, to measure it again.
+say it pays. A probe's cost is mostly the draft model's catch-up: it reads every token it skipped in
+one pass (measured here: ~2.3 ms a token for the int4 0.5B draft, ~7% of a target step, so a probe
+after 60 plain rounds costs ~4% of them). So a probe waits until the plain rounds since the last one
+are worth `probe_budget` of the probe's cost *now* (draft step + catch-up over the tokens the draft is
+behind + a wider verify): within a long request that seldom happens, at the start of the next
+request (behind = its prompt) it does, which is where probes then land. Every probe that does not
+restart drafting also doubles the wait before the next (`probe_every` rounds up to
+`max_probe_every`, after which a probe is due whatever it costs), so a draft that never pays costs
+less and less. Likewise, positions past the chosen k are never observed, so a pessimistic estimate
+there would stick: every `widen_every` rounds the controller drafts one token more than it would,
+to measure it again.
 """
 from __future__ import annotations
 
@@ -20,16 +25,25 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CostModel:
-    """Running (EMA) costs in seconds: one draft pass, and a target pass per verify width."""
+    """Running (EMA) costs in seconds: one draft pass, a target pass per verify width, and what each
+    further token of a draft catch-up pass costs (`draft_read_s`)."""
 
     draft_s: float | None = None
     target_s: dict[int, float] = field(default_factory=dict)
+    draft_read_s: float | None = None
     decay: float = 0.8
 
     def observe_draft(self, seconds: float, passes: int) -> None:
         if passes:
             per = seconds / passes
             self.draft_s = per if self.draft_s is None else self.decay * self.draft_s + (1 - self.decay) * per
+
+    def observe_catchup(self, seconds: float, tokens: int) -> None:
+        """A draft pass that read `tokens` (> 2) tokens at once: each beyond the first costs this much."""
+        if tokens > 2 and self.draft_s is not None:
+            per = max(seconds - self.draft_s, 0.0) / (tokens - 1)
+            old = self.draft_read_s
+            self.draft_read_s = per if old is None else self.decay * old + (1 - self.decay) * per
 
     def observe_target(self, width: int, seconds: float) -> None:
         old = self.target_s.get(width)
@@ -116,19 +130,35 @@ class AutoDraftLen:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
-    def min_probe_gap(self) -> int:
-        """Fewest plain rounds between probes: a probe costs a draft step, the draft's catch-up over the
-        skipped rounds (about one more pass) and a verify one token wider than a plain step. On an H200
-        (draft step 0.86 of a target step) probing every 16 rounds cost ~10% against target-only."""
+    def probe_cost(self, behind: int) -> float | None:
+        """Predicted extra seconds of a one-token probe now: a draft step, the draft's catch-up over the
+        `behind` tokens it has not read (before `draft_read_s` is measured: about one more pass), and a
+        verify one token wider than a plain step. None while nothing is measured."""
         c1 = self.costs.target(1)
         draft_s = 0.0 if self.free_draft else self.costs.draft_s
         if not c1 or draft_s is None:
-            return self.probe_every
-        probe = 2 * draft_s + max((self.costs.target(2) or c1) - c1, 0.0)
-        return min(max(self.probe_every, math.ceil(probe / (self.probe_budget * c1))), self.max_probe_every)
+            return None
+        if self.free_draft:
+            catchup = 0.0
+        elif self.costs.draft_read_s is None:
+            catchup = draft_s
+        else:
+            catchup = max(behind - 1, 0) * self.costs.draft_read_s
+        return draft_s + catchup + max((self.costs.target(2) or c1) - c1, 0.0)
 
-    def choose(self, limit: int) -> int:
-        """Draft length for the next round, at most `limit`."""
+    def probe_due(self, behind: int) -> bool:
+        """After a plain round: is a probe due? Not before `_gap` plain rounds; then once those rounds'
+        `probe_budget` covers the probe's cost now, or at the latest after `max_probe_every` rounds."""
+        if self._since_probe < self._gap:
+            return False
+        if self._since_probe >= self.max_probe_every:
+            return True
+        cost, c1 = self.probe_cost(behind), self.costs.target(1)
+        return cost is None or self._since_probe * self.probe_budget * c1 >= cost
+
+    def choose(self, limit: int, behind: int = 0) -> int:
+        """Draft length for the next round, at most `limit`; `behind`: tokens the draft model would have
+        to read before it can draft (what a probe's catch-up costs)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
@@ -137,10 +167,9 @@ class AutoDraftLen:
             return best_k
         if best_k == 0:
             self._since_probe += 1
-            gap = max(self._gap, self.min_probe_gap())
-            if self._since_probe >= gap:
+            if self.probe_due(behind):
+                self._gap = min(2 * self._since_probe, self.max_probe_every)  # twice the wait it just had
                 self._since_probe = 0
-                self._gap = min(2 * gap, self.max_probe_every)
                 return 1
             self.rounds_skipped += 1
         else:

@@ -1,7 +1,9 @@
 """`specrt bench`: speculative vs target-only, side by side in one process and one run.
 
-Draft lengths are interleaved inside each repeat (0, k1, k2, ... then again), so drift of the
-machine's speed hits every setting alike; numbers are medians over repeats after a warm-up.
+Every setting runs each prompt back to back (in an order rotated from prompt to prompt), so the
+drift of the machine's speed (+-8% over tens of seconds on a shared 2-core VM) hits all settings of
+one prompt alike. Speedups are medians over repeats of the ratio to target-only within the same
+repeat (paired); tokens/s are medians over repeats; all after a warm-up.
 """
 from __future__ import annotations
 
@@ -75,25 +77,26 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
     for cfg in cfgs.values():  # warm-up (and up-front validation of every setting)
         pair.run(prompts[0].ids, cfg)
     runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
-    last = prompts[0].ids  # the warm-ups' prompt
+    order = list(cfgs.items())
     for r in range(repeats):
-        for s, cfg in cfgs.items():
-            for p in prompts:
-                if p.ids == last:
-                    # A prompt right after itself would find all of it in the draft's cache: measure
-                    # it as a new prompt (what the reuse gives a shared prefix is still measured).
-                    pair.draft_memory.forget()
-                last = p.ids
+        for i, p in enumerate(prompts):
+            # What the draft's cache would hold if this prompt followed the previous one: their shared
+            # prefix (a chat template's system part); the runs of this prompt itself must not help.
+            before = prompts[i - 1].ids if len(prompts) > 1 else []
+            shared = next((j for j, (a, b) in enumerate(zip(before, p.ids)) if a != b), min(len(before), len(p.ids)))
+            shift = (r * len(prompts) + i) % len(order)
+            for s, cfg in order[shift:] + order[:shift]:
+                pair.draft_memory.keep(shared)
                 runs[s].append((r, p, pair.run(p.ids, cfg).stats))
                 if progress:
                     progress()
     rows = [{"drafter": s[0], "confidence_stop": s[2], **_summarize(s[1], runs[s], repeats)} for s in settings]
     base = next((row for row in rows if row["draft_len"] == 0), None)
     for row in rows:
-        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+        row["speedup"] = statistics.median(a / b for a, b in zip(row["rates"], base["rates"])) if base else None
         if base:
-            row["speedup_by_class"] = {c: v / base["tokens_per_s_by_class"][c]
-                                       for c, v in row["tokens_per_s_by_class"].items()}
+            row["speedup_by_class"] = {c: statistics.median(a / b for a, b in zip(v, base["rates_by_class"][c]))
+                                       for c, v in row["rates_by_class"].items()}
     best = max(rows, key=lambda row: row["tokens_per_s"])
     return {
         "draft_lens": draft_lens, "drafters": list(drafters), "best_drafter": best["drafter"],
@@ -110,8 +113,8 @@ def _summarize(k, runs: list, repeats: int) -> dict:
 
     per_repeat = [rate([x for x in runs if x[0] == r]) for r in range(repeats)]
     classes = sorted({p.kind for _, p, _ in runs})
-    by_class = {c: statistics.median(rate([x for x in runs if x[0] == r and x[1].kind == c]) for r in range(repeats))
-                for c in classes}
+    rates_by_class = {c: [rate([x for x in runs if x[0] == r and x[1].kind == c]) for r in range(repeats)]
+                      for c in classes}
     stats = [s for _, _, s in runs]
     proposed = sum(s["proposed"] for s in stats)
     width = max((len(s["accepted_per_position"]) for s in stats), default=0)
@@ -125,7 +128,9 @@ def _summarize(k, runs: list, repeats: int) -> dict:
     return {
         "draft_len": k,
         "tokens_per_s": statistics.median(per_repeat),
-        "tokens_per_s_by_class": by_class,
+        "tokens_per_s_by_class": {c: statistics.median(v) for c, v in rates_by_class.items()},
+        "rates": per_repeat,  # tokens/s per repeat (speedups pair them with target-only's)
+        "rates_by_class": rates_by_class,
         "acceptance_rate": sum(s["accepted"] for s in stats) / proposed if proposed else 0.0,
         "accepted_per_position": pos,
         "tokens_per_target_pass": sum(s["new_tokens"] for s in stats) / sum(s["target_passes"] for s in stats),

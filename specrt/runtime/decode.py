@@ -148,10 +148,10 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             rates = [auto.best(limit, switch_s)[1], model_auto.best(limit)[1]]
             if None not in rates and rates[1] > rates[0]:
                 src, auto = drafter.model, controller(drafter.model.kind)
-        k_now = auto.choose(limit) if auto else limit
+        k_now = auto.choose(limit, src.behind(seq)) if auto else limit
         if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
             src, auto = drafter.model, controller(drafter.model.kind)
-            k_now = auto.choose(limit)
+            k_now = auto.choose(limit, src.behind(seq))
         stats.rounds += 1
 
         # 1. Draft up to k_now tokens (p_draft None: point masses, or greedy).
@@ -161,6 +161,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             d, p_draft, passes = src.propose(seq, k_now, cfg.sampling, rng, cfg.confidence_stop)
             if passes:  # per draft step; a catch-up pass after rounds without drafting is not one
                 costs.observe_draft(time.perf_counter() - t0 - src.catchup_s, passes - (src.catchup_s > 0))
+                if src.catchup_s:
+                    costs.observe_catchup(src.catchup_s, src.catchup_tokens)
             stats.draft_passes += passes
             stats.rounds_by_drafter[src.name] = stats.rounds_by_drafter.get(src.name, 0) + 1
         k_now = len(d)

@@ -45,6 +45,10 @@ class DraftMemory:
     def forget(self) -> None:
         self.seq = []
 
+    def keep(self, n: int) -> None:
+        """Keep only the first n tokens (the slots past them count as empty)."""
+        self.seq = self.seq[:n]
+
 
 class ModelDrafter:
     """A small draft model with its own KV cache. Its cache always holds a prefix of the sequence.
@@ -59,9 +63,14 @@ class ModelDrafter:
     def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None):
         self.engine, self.vocab, self.ids, self.memory = engine, vocab, ids, memory
         self.catchup_s = 0.0  # time of the last propose's first pass when it caught up on > 2 tokens
+        self.catchup_tokens = 0  # how many tokens that pass read
 
     def pick(self, seq: list[int], k: int):
         return self
+
+    def behind(self, seq: list[int]) -> int:
+        """Tokens of `seq` the draft has not read: what its next pass reads first."""
+        return len(seq) - self.engine.length
 
     def start(self, prompt: list[int]) -> None:
         # No prefill here: the first propose feeds the prompt (a catch-up pass), so a request in which
@@ -83,12 +92,12 @@ class ModelDrafter:
         inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
         if self.memory is not None:
             self.memory.seq = seq  # the live sequence: its committed tokens are what the slots hold
-        self.catchup_s = 0.0
+        self.catchup_s, self.catchup_tokens = 0.0, 0
         for i in range(k):
             t0 = time.perf_counter()
             rows = self.engine.forward(np.array([inp]), np.array([len(inp) - 1]))[0, 0]  # [W]
             if len(inp) > 2:  # catching up after rounds without drafting: not the cost of a draft step
-                self.catchup_s = time.perf_counter() - t0
+                self.catchup_s, self.catchup_tokens = time.perf_counter() - t0, len(inp)
             if cfg.greedy:
                 d[i], top = greedy_pick(rows, self.ids, self.vocab, bool(confidence_stop))
             else:
@@ -125,6 +134,9 @@ class NgramDrafter:
 
     def start(self, prompt: list[int]) -> None:
         self._picked = None
+
+    def behind(self, seq: list[int]) -> int:
+        return 0  # nothing to catch up
 
     def pick(self, seq: list[int], k: int):
         d, n = self.match(seq, k)

@@ -147,7 +147,8 @@ class Pair:
                 raise PairError(f"the tuned settings in {self.dir}/manifest.json were measured on other graphs "
                                 "(re-exported?); rerun `specrt tune` or delete the manifest's \"tuned\" entry")
             c = self.tuned.get("costs", {})
-            self.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()})
+            self.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()},
+                                   draft_read_s=c.get("draft_read_s"))
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,

@@ -20,17 +20,18 @@ from specrt.runtime.bench import run_bench
 
 
 def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
-    """Median seconds of one draft pass and of a target pass per width 1..max_draft_len+1, over `past` slots."""
+    """Median seconds of one draft pass and of a target pass per width 1..max_draft_len+1, over `past`
+    slots, and what each token of a draft catch-up (one pass over `past` tokens) costs beyond the first."""
     m = pair.manifest
     past = min(past, m.max_len - m.max_draft_len - 2)
     ctx = np.arange(past)[None] % m.vocab_size
 
-    def timed(engine, width, logits):
+    def timed(engine, width, logits, at=past):
         engine.truncate(0)
         engine.forward(ctx, np.array([past - 1]))
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
-            engine.truncate(past)
+            engine.truncate(at)
             t = time.perf_counter()
             engine.forward(ctx[:, :width], logits)
             times.append(time.perf_counter() - t)
@@ -38,8 +39,11 @@ def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
 
     pair.draft_memory.forget()  # the timing passes overwrite the draft's cache
     target_s = {w: timed(pair.target, w, np.arange(w)) for w in range(1, m.max_draft_len + 2)}
-    draft_s = timed(pair.draft, 1, np.array([0])) if pair.draft is not None else None
-    return {"draft_s": draft_s, "target_s": target_s}
+    if pair.draft is None:
+        return {"draft_s": None, "target_s": target_s, "draft_read_s": None}
+    draft_s = timed(pair.draft, 1, np.array([0]))
+    read = timed(pair.draft, past, np.array([past - 1]), at=0)
+    return {"draft_s": draft_s, "target_s": target_s, "draft_read_s": max(read - draft_s, 0.0) / (past - 1)}
 
 
 def conditional(accepted_per_position: list[float]) -> list[float]:
