@@ -188,6 +188,24 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair, monkeypatch):
     assert "model" not in est
 
 
+def test_hybrid_ngram_rounds_count_toward_the_models_probe(qwen_pair, monkeypatch):
+    """Rounds that hybrid gives to an n-gram proposal are rounds without the model too: the model's
+    controller counts them toward its next probe, as it counts its own plain rounds."""
+    auto = AutoDraftLen(8, dear_drafts(), prior=0.0, probe_budget=100.0)  # the schedule alone
+    for _ in range(10):
+        auto.wait()
+    assert [auto.choose(8) for _ in range(6)] == [0, 0, 0, 0, 0, 1]  # 16 rounds since the last probe
+
+    from specrt.runtime.drafters import HybridDrafter
+
+    waits = []
+    monkeypatch.setattr(HybridDrafter, "min_match", 1)
+    monkeypatch.setattr(AutoDraftLen, "wait", lambda self: waits.append(1))
+    prompt = list(range(3, 40)) + list(range(3, 20))
+    res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
+    assert res.stats["rounds_by_drafter"].get("ngram", 0) == len(waits) > 0
+
+
 @pytest.mark.parametrize("better,draft_s", [("model", 0.05), ("ngram", 1.5)])
 def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypatch, better, draft_s):
     """An n-gram proposal that pays (vs plain decoding) must still give way to the model draft when the

@@ -207,6 +207,8 @@ def test_bench_measures_each_run_as_a_new_prompt(qwen_pair, monkeypatch):
     base, spec = res["rows"]
     assert spec["speedup"] == pytest.approx(statistics.median(x / y for x, y in zip(spec["rates"], base["rates"])))
     assert set(spec["speedup_by_class"]) == {"code", "chat"}
+    assert [(x["repeat"], x["prompt"]) for x in spec["runs"]] == [(0, "a"), (0, "b"), (1, "a"), (1, "b")]
+    assert all(x["new_tokens"] == 4 and x["wall_s"] > 0 for x in spec["runs"])
     seen.clear()
     run_bench(qwen_pair, [a], [0, 2], max_new_tokens=4, repeats=2)
     assert seen[2:] == [0] * 4  # one prompt: read afresh each time

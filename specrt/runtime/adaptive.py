@@ -19,7 +19,6 @@ to measure it again.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 
@@ -155,6 +154,11 @@ class AutoDraftLen:
             return True
         cost, c1 = self.probe_cost(behind), self.costs.target(1)
         return cost is None or self._since_probe * self.probe_budget * c1 >= cost
+
+    def wait(self) -> None:
+        """A round in which this proposal kind was not asked (hybrid: an n-gram round): one more round
+        since its last probe (a kind that is drafting resets that count when next asked)."""
+        self._since_probe += 1
 
     def choose(self, limit: int, behind: int = 0) -> int:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft model would have

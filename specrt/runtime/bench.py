@@ -107,6 +107,9 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
     }
 
 
+_RUN_KEYS = ("new_tokens", "wall_s", "ttft_s", "draft_len_hist", "rounds_skipped", "rounds_by_drafter")
+
+
 def _summarize(k, runs: list, repeats: int) -> dict:
     def rate(items):  # aggregate tokens/s of one repeat over its prompts
         return sum(s["new_tokens"] for _, _, s in items) / sum(s["wall_s"] for _, _, s in items)
@@ -131,6 +134,8 @@ def _summarize(k, runs: list, repeats: int) -> dict:
         "tokens_per_s_by_class": {c: statistics.median(v) for c, v in rates_by_class.items()},
         "rates": per_repeat,  # tokens/s per repeat (speedups pair them with target-only's)
         "rates_by_class": rates_by_class,
+        "runs": [{"repeat": r, "prompt": p.id, "class": p.kind, **{k: s[k] for k in _RUN_KEYS if k in s}}
+                 for r, p, s in runs],  # each request, for a closer look (bench --json)
         "acceptance_rate": sum(s["accepted"] for s in stats) / proposed if proposed else 0.0,
         "accepted_per_position": pos,
         "tokens_per_target_pass": sum(s["new_tokens"] for s in stats) / sum(s["target_passes"] for s in stats),
