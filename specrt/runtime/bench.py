@@ -107,7 +107,8 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
     }
 
 
-_RUN_KEYS = ("new_tokens", "wall_s", "ttft_s", "draft_len_hist", "rounds_skipped", "rounds_by_drafter")
+_RUN_KEYS = ("new_tokens", "wall_s", "ttft_s", "draft_len_hist", "rounds_skipped", "rounds_by_drafter",
+             "acceptance_estimate", "predicted_speedup", "measured_speedup")
 
 
 def _summarize(k, runs: list, repeats: int) -> dict:
