@@ -8,6 +8,7 @@ repeat (paired); tokens/s are medians over repeats; all after a warm-up.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import time
@@ -82,8 +83,7 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
         for i, p in enumerate(prompts):
             # What the draft's cache would hold if this prompt followed the previous one: their shared
             # prefix (a chat template's system part); the runs of this prompt itself must not help.
-            before = prompts[i - 1].ids if len(prompts) > 1 else []
-            shared = next((j for j, (a, b) in enumerate(zip(before, p.ids)) if a != b), min(len(before), len(p.ids)))
+            shared = len(os.path.commonprefix([prompts[i - 1].ids, p.ids])) if len(prompts) > 1 else 0
             shift = (r * len(prompts) + i) % len(order)
             for s, cfg in order[shift:] + order[:shift]:
                 pair.draft_memory.keep(shared)
