@@ -76,10 +76,10 @@ class AutoDraftLen:
     costs: CostModel
     prior: float = 0.7
     free_draft: bool = False  # a prompt-lookup drafter costs (next to) nothing
-    # EMA weight of the acceptance estimate: at 0.85 two early rejections took a carried 0.99 to 0.71,
-    # below break-even, and the request then decoded plainly to its end (probes are rare inside a
-    # request); 0.93 left 2 of 27 requests so stuck instead of 10 (bench/ab_accept_decay.py).
-    decay: float = 0.93
+    # EMA weight of the acceptance estimate. 0.93 left fewer requests stuck in plain decoding after
+    # two early rejections in an A/B, but in two `specrt bench` runs auto then hardly drafted at all
+    # (bench/RESULTS.md, sixth sitting): kept at 0.85.
+    decay: float = 0.85
     probe_every: int = 16
     max_probe_every: int = 1024  # a probe after skipped rounds re-reads them all in the draft: about a prefill
     widen_every: int = 8
