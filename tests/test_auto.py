@@ -201,6 +201,9 @@ def test_hybrid_ngram_rounds_count_toward_the_models_probe(qwen_pair, monkeypatc
     waits = []
     monkeypatch.setattr(HybridDrafter, "min_match", 1)
     monkeypatch.setattr(AutoDraftLen, "wait", lambda self: waits.append(1))
+    # deterministic choices: n-gram proposals look worth verifying, the model draft costs more than it brings
+    monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=1.5, target_s={1: 1.0, 9: 1.0}))
+    monkeypatch.setattr(qwen_pair, "acceptance", {"ngram": [0.9] * 8, "model": [0.5] * 8})
     prompt = list(range(3, 40)) + list(range(3, 20))
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
     assert res.stats["rounds_by_drafter"].get("ngram", 0) == len(waits) > 0

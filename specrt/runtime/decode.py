@@ -152,7 +152,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
             src, auto = drafter.model, controller(drafter.model.kind)
             k_now = auto.choose(limit, src.behind(seq))
-        elif k_now and hybrid_ngram:  # an n-gram round is a round without the model: it counts to its next probe
+        elif k_now and hybrid_ngram and src.name == "ngram":  # a round without the model: counts to its next probe
             controller(drafter.model.kind).wait()
         stats.rounds += 1
 
