@@ -143,7 +143,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             # Leaving a caught-up draft model for an n-gram round costs it a catch-up pass when it drafts
             # again (about one draft step); once it is behind, more n-gram rounds add little to that pass.
             model_auto = controller(drafter.model.kind)
-            caught_up = drafter.model.engine.length >= len(seq) - 2
+            caught_up = drafter.model.behind(seq) <= 2
             switch_s = (model_auto.costs.draft_s or 0.0) if caught_up else 0.0
             rates = [auto.best(limit, switch_s)[1], model_auto.best(limit)[1]]
             if None not in rates and rates[1] > rates[0]:
