@@ -1,14 +1,16 @@
 """The in-process A/B harness of the bench/ab_*.py scripts.
 
 Every prompt of bench/prompts/prompts.jsonl runs under every variant back to back (order rotated
-per prompt), each variant with its own learned acceptance and probe schedule and a cleared draft
-cache; a warm-up request per variant first. Prints per class the median over (prompt, repeat) of
+per prompt), each variant with its own learned acceptance, probe schedule and cost model (as a
+deployment running only that setting would have) and a cleared draft cache; a warm-up request per
+variant first. Prints per class the median over (prompt, repeat) of
 each variant's tokens/s ratio to the "none" variant of the same prompt and repeat, and the median
 and mean over all requests.
 
 A variant is (draft_len, drafter, setup): `setup()` puts that variant's code in place (the scripts
 monkeypatch one piece of specrt) right before each of its requests.
 """
+import copy
 import json
 import statistics
 import sys
@@ -19,7 +21,8 @@ from specrt.runtime.bench import read_prompts
 
 
 def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
-    """Run the A/B from the command line: PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N]."""
+    """Run the A/B from the command line: PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N]
+    [--prompts=FILE,FILE] (default bench/prompts/prompts.jsonl)."""
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
     if len(args) < 2:
@@ -27,14 +30,15 @@ def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
     if len(args) > 2:
         variants = {v: variants[v] for v in ["none"] + args[2].split(",")}
     pair = specrt.load(args[0])
-    plist = read_prompts(Path("bench/prompts/prompts.jsonl"), pair, int(opts["limit"]) if "limit" in opts else None)
-    state = {v: ({}, {}) for v in variants}
+    files = opts.get("prompts", "bench/prompts/prompts.jsonl").split(",")
+    plist = [p for f in files for p in read_prompts(Path(f), pair)][:int(opts.get("limit", 10**6))]
+    state = {v: ({}, {}, copy.deepcopy(pair.costs)) for v in variants}
     res = {v: {} for v in variants}
 
     def run(v, p, n):
         k, drafter, setup = variants[v]
         setup()
-        pair.acceptance, pair.probes = state[v]
+        pair.acceptance, pair.probes, pair.costs = state[v]
         pair.draft_memory.forget()
         return pair.run(p.ids, pair.config(max_new_tokens=n, draft_len=k, drafter=drafter)).stats
 

@@ -62,7 +62,7 @@ class GenerationConfig:
     seed: int = 0
     stop: tuple[str, ...] = ()
     drafter: str = "model"  # model | ngram (prompt lookup, no draft model) | hybrid
-    ngram_max: int = 3  # longest suffix the prompt-lookup drafter matches
+    ngram_max: int = 16  # longest suffix the prompt-lookup drafter matches (longer matches rank as equal)
     confidence_stop: float = 0.0  # a model draft stops early once its top probability falls below this
 
     def __post_init__(self):

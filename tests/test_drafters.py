@@ -21,12 +21,25 @@ REPETITIVE = ["def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, 
 def test_ngram_lookup():
     ng = NgramDrafter(max_ngram=3)
     assert ng.lookup([1, 2, 3, 4, 1, 2], 3).tolist() == [3, 4, 1]  # 2-gram [1, 2] seen at 0
-    assert ng.lookup([1, 2, 9, 1, 2, 7, 1, 2], 2).tolist() == [7, 1]  # the most recent match wins
+    assert ng.lookup([1, 2, 9, 1, 2, 7, 1, 2], 2).tolist() == [9, 1]  # equally long matches: the first wins
     assert ng.lookup([5, 6, 7, 8, 5, 6, 7], 4).tolist() == [8, 5, 6, 7]  # longest n first
     assert ng.lookup([1, 2, 3], 4).tolist() == []  # no earlier occurrence
     assert ng.lookup([7], 4).tolist() == []
     assert ng.lookup([9, 9, 9], 2).tolist() == [9]  # continuation runs to the end of the sequence
     assert len(ng.lookup(list(range(10)) * 3, 5)) == 5
+    assert ng.lookup([], 2).tolist() == []
+
+
+def test_ngram_prefers_the_longest_match_over_the_first():
+    """A later occurrence that matches more of the suffix beats an earlier, shorter one."""
+    ng = NgramDrafter()
+    seq = [5, 1, 2, 3, 8, 4, 1, 2, 3, 9, 6, 4, 1, 2, 3]  # [1, 2, 3] twice; [4, 1, 2, 3] only before the 9
+    d, n = ng.match(seq, 2)
+    assert d.tolist() == [9, 6] and n == 4
+    copy = list(range(100, 130))
+    d, n = ng.match(copy + [7] + copy[:20], 4)  # 20 tokens into a copy of the first 30 (16: the default cap)
+    assert d.tolist() == copy[20:24] and n == 16 and ng.pick(copy + [7] + copy[:20], 4).kind == "ngram8"
+    assert NgramDrafter(max_ngram=5).match(copy + [7] + copy[:20], 4)[1] == 5  # max_ngram caps the match length
 
 
 def test_hybrid_uses_ngram_proposals_only_after_a_two_token_match():
@@ -57,7 +70,7 @@ def test_auto_keeps_a_controller_per_ngram_kind(same_pair, monkeypatch):
     prompt = list(range(3, 30)) * 2 + [3, 4]
     res = same_pair.generate(prompt, max_new_tokens=24, draft_len="auto", drafter="ngram")
     kinds = set(res.stats["acceptance_estimate"])
-    assert kinds and kinds <= {"ngram1", "ngram2", "ngram3"}
+    assert kinds and kinds <= {"ngram1", "ngram2", "ngram3", "ngram8"}
     monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 4))  # always a 4-token match
     cfg = GenerationConfig(max_new_tokens=4, draft_len="auto", drafter="ngram")
     _, _, st = decode(same_pair.target, NgramDrafter(), [5, 6, 7, 8], cfg, same_pair.manifest.vocab_size,

@@ -66,8 +66,9 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     `costs` collects measured pass times (shared across requests); with draft_len "auto" an
     AutoDraftLen controller per proposal kind picks each round's k from them and from the acceptance
     seen so far (`prior`: what earlier requests learned, by kind). Kinds: "model" ("hybrid-model" inside
-    hybrid), and for n-gram proposals "ngram1".."ngram3" by matched suffix length (a longer match is far
-    more often right); a "model" or "ngram" entry in `prior` seeds kinds of its family not seen yet.
+    hybrid), and for n-gram proposals "ngram1", "ngram2", "ngram3" (3-7), "ngram8" (8+) by matched suffix
+    length (a longer match is far more often right); a "model" or "ngram" entry in `prior` seeds kinds
+    of its family not seen yet.
     `probes` (updated in place) carries each controller's probe schedule across requests, so a draft
     that stopped paying is not re-probed (and its cache caught up, which costs about a prefill) at the
     start of every request.
@@ -87,7 +88,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     autos: dict[str, AutoDraftLen] = {}  # draft_len "auto": one controller per proposal kind, made on first use
 
     def controller(kind: str) -> AutoDraftLen | None:
-        """The kind's controller: "model", or "ngram1".."ngram3" by matched length; None when not auto
+        """The kind's controller: "model", or "ngram1".."ngram8" by matched length; None when not auto
         or when the n-gram drafter found nothing to propose."""
         if not adaptive or kind == "ngram":
             return None
