@@ -188,8 +188,8 @@ def _draft_len_list(ctx, param, value):
 
 @main.command()
 @click.argument("pair_dir", type=click.Path(path_type=Path))
-@click.option("--prompts", type=click.Path(path_type=Path), default=None,
-              help="JSONL file: one {id, prompt | messages, class, chat} per line.")
+@click.option("--prompts", type=click.Path(path_type=Path), multiple=True,
+              help="JSONL file: one {id, prompt | messages, class, chat} per line (repeat for several files).")
 @click.option("--prompt", "prompt_text", default=None, help="A single chat prompt instead of --prompts.")
 @click.option("--draft-lens", default="0,1,2,3,4,6,8", show_default=True, callback=_draft_len_list,
               help="Comma-separated draft lengths to compare (0 = target only; 'auto' allowed).")
@@ -213,7 +213,7 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     from specrt.runtime.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench,
                                       run_bench)
 
-    if (prompts is None) == (prompt_text is None):
+    if bool(prompts) == (prompt_text is not None):
         raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
     if json_out is not None:  # fail now, not after the whole run (and create nothing yet)
         folder = json_out.parent if str(json_out.parent) else Path(".")
@@ -248,8 +248,8 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
 
 @main.command()
 @click.argument("pair_dir", type=click.Path(path_type=Path))
-@click.option("--prompts", type=click.Path(path_type=Path), required=True,
-              help="JSONL file of representative prompts (see bench/prompts/prompts.jsonl).")
+@click.option("--prompts", type=click.Path(path_type=Path), required=True, multiple=True,
+              help="JSONL file of representative prompts (see bench/prompts/prompts.jsonl; repeat for several files).")
 @click.option("--draft-lens", default="0,1,2,3,4,6,auto", show_default=True, callback=_draft_len_list,
               help="Draft lengths to sweep.")
 @click.option("--drafters", default=None, help="Drafters to sweep (default: model,ngram,hybrid, or ngram for a target-only pair).")

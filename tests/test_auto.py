@@ -280,9 +280,9 @@ def test_probe_is_priced_by_how_far_the_draft_is_behind(qwen_pair, monkeypatch):
     seen = []
     due = AutoDraftLen.probe_due
 
-    def spy(self, behind):
+    def spy(self, behind, limit=1, remaining=0):
         seen.append(behind)
-        return due(self, behind)
+        return due(self, behind, limit, remaining)
 
     monkeypatch.setattr(AutoDraftLen, "probe_due", spy)
     monkeypatch.setattr(AutoDraftLen, "probe_cost", lambda self, behind: 0.0)  # probe when the schedule says
@@ -375,3 +375,35 @@ def test_confidence_stop_greedy_is_exact(qwen_pair):
     res = qwen_pair.run(prompt, GenerationConfig(max_new_tokens=48, draft_len=8, confidence_stop=0.9))
     assert res.tokens == base
     assert res.stats["proposed"] < 8 * res.stats["rounds"]
+
+
+def test_a_probe_after_a_long_pause_counts_more():
+    """The estimate ages in plain rounds: a probe accepted after 300 of them lifts 0.37 to ~0.69 (one
+    observation against one), where a plain EMA step would give 0.46; while drafting the weight stays 0.15."""
+    auto = AutoDraftLen(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), accept=[0.37] * 8)
+    assert auto.weight(0) == pytest.approx(0.15) and auto.weight(64) == pytest.approx(1 / (1 + 0.85 / 0.15 / 2))
+    assert auto.weight(300) == pytest.approx(0.5)
+    auto.probe_state = (16, 300)
+    auto.probe_cost = lambda behind: 0.0  # the schedule alone decides here
+    assert auto.choose(8, behind=60, remaining=100) == 1  # the probe
+    auto.observe(1, 1)
+    assert auto.accept[0] == pytest.approx(0.685)
+    assert auto.choose(8, remaining=99) >= 1  # drafting again
+    auto.observe(1, 1)
+    assert auto.accept[0] == pytest.approx(0.685 + 0.315 * 0.15)  # no longer stale
+
+
+def test_a_probe_is_due_when_it_is_worth_its_cost():
+    """A probe priced by a long catch-up waits for many plain rounds, unless what it may save over the
+    rest of the request covers it: an estimate near break-even (0.37 here, drafting pays above ~0.48)
+    with 200 tokens to go earns one; an always-wrong draft (0.05) or the request's last tokens do not."""
+    costs = FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}, draft_read_s=2.3)
+
+    def first_probe(accept, remaining):
+        auto = AutoDraftLen(8, costs, accept=[accept] * 8)
+        auto.probe_state = (16, 300)  # 300 plain rounds ago; its budget covers 131 of the 154 a probe costs
+        return auto.choose(8, behind=62, remaining=remaining)
+
+    assert first_probe(0.37, 200) == 1
+    assert first_probe(0.05, 200) == 0 and first_probe(0.37, 20) == 0
+    assert AutoDraftLen(8, costs, accept=[0.37] * 8).probe_value(8, 0) == 0.0

@@ -132,3 +132,17 @@ def test_bench_batch_sizes(qwen_dir, tmp_path):
 def test_bench_batch_sizes_bad_input(qwen_dir, args, message):
     r = invoke("bench", qwen_dir, "--prompt", "x", *args)
     assert r.exit_code == 2 and message in r.output and "Traceback" not in r.output
+
+
+def test_bench_reads_several_prompt_files(qwen_dir, tmp_path):
+    """`--prompts` repeats: the prompts of every file, in order."""
+    other = tmp_path / "more.jsonl"
+    other.write_text(json.dumps({"id": "extra", "class": "edit", "prompt": "def f(x):"}) + "\n")
+    out = tmp_path / "b.json"
+    first = tmp_path / "first.jsonl"
+    first.write_text(PROMPTS.read_text().splitlines()[0] + "\n")
+    r = invoke("bench", qwen_dir, "--prompts", first, "--prompts", other, "--draft-lens", "0", "--repeats", 1,
+               "--max-new-tokens", 4, "--json", out)
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 2 and [run["prompt"] for run in res["rows"][0]["runs"]] == ["gen-palindrome", "extra"]

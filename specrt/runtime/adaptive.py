@@ -84,7 +84,9 @@ class AutoDraftLen:
     max_probe_every: int = 1024  # a probe after skipped rounds re-reads them all in the draft: about a prefill
     widen_every: int = 8
     probe_budget: float = 0.015  # a probe may cost at most this fraction of the plain rounds it waits for
+    stale_half_life: int = 64  # plain rounds after which the estimate counts half as many observations
     accept: list[float] = field(default_factory=list)  # conditional acceptance per position
+    _stale: int = 0  # plain rounds before the round being observed (a probe's), 0 when drafting
     _since_probe: int = 0
     _gap: int = 0
     _since_widen: int = 0
@@ -148,24 +150,49 @@ class AutoDraftLen:
             catchup = max(behind - 1, 0) * self.costs.draft_read_s
         return draft_s + catchup + max((self.costs.target(2) or c1) - c1, 0.0)
 
-    def probe_due(self, behind: int) -> bool:
+    def weight(self, stale: int) -> float:
+        """EMA weight of an observation after `stale` plain rounds. The estimate counts as
+        decay / (1 - decay) observations (5.7 at 0.85) while drafting; in plain rounds nothing is
+        observed and what it knew ages, down to one observation's worth, so a probe after a long pause
+        counts up to half: one accepted probe lifts an estimate of 0.37 to 0.69, where before it moved
+        it to 0.46 and a draft that paid again (chat, then code) stayed off for many requests."""
+        n = self.decay / (1 - self.decay) * 0.5 ** (stale / self.stale_half_life)
+        return 1.0 / (1.0 + max(n, 1.0))
+
+    def probe_value(self, limit: int, remaining: int) -> float:
+        """Expected seconds a probe saves over the `remaining` tokens of the request: the chance it is
+        accepted times what drafting at the estimate it would then leave saves a token, if anything."""
+        c1 = self.costs.target(1)
+        if not c1 or remaining <= 0:
+            return 0.0
+        hit = list(self.accept)
+        hit[0] += (1.0 - hit[0]) * self.weight(self._since_probe)
+        k, rate = AutoDraftLen(self.max_k, self.costs, free_draft=self.free_draft, accept=hit).best(limit)
+        if not k or rate is None:
+            return 0.0
+        return self.accept[0] * max(c1 - 1.0 / rate, 0.0) * remaining
+
+    def probe_due(self, behind: int, limit: int = 1, remaining: int = 0) -> bool:
         """After a plain round: is a probe due? Not before `_gap` plain rounds; then once those rounds'
-        `probe_budget` covers the probe's cost now, or at the latest after `max_probe_every` rounds."""
+        `probe_budget` covers the probe's cost now, or what it is expected to save over the `remaining`
+        tokens does (a dipped estimate near break-even), or at the latest after `max_probe_every` rounds."""
         if self._since_probe < self._gap:
             return False
         if self._since_probe >= self.max_probe_every:
             return True
         cost, c1 = self.probe_cost(behind), self.costs.target(1)
-        return cost is None or self._since_probe * self.probe_budget * c1 >= cost
+        return (cost is None or self._since_probe * self.probe_budget * c1 >= cost
+                or self.probe_value(limit, remaining) >= cost)
 
     def wait(self) -> None:
         """A round in which this proposal kind was not asked (hybrid: an n-gram round): one more round
         since its last probe (a kind that is drafting resets that count when next asked)."""
         self._since_probe += 1
 
-    def choose(self, limit: int, behind: int = 0) -> int:
+    def choose(self, limit: int, behind: int = 0, remaining: int = 0) -> int:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft model would have
-        to read before it can draft (what a probe's catch-up costs)."""
+        to read before it can draft (what a probe's catch-up costs); `remaining`: tokens the request may
+        still generate (what a probe that restarts drafting could save on)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
@@ -174,13 +201,13 @@ class AutoDraftLen:
             return best_k
         if best_k == 0:
             self._since_probe += 1
-            if self.probe_due(behind):
+            if self.probe_due(behind, limit, remaining):
                 self._gap = min(2 * self._since_probe, self.max_probe_every)  # twice the wait it just had
-                self._since_probe = 0
+                self._stale, self._since_probe = self._since_probe, 0
                 return 1
             self.rounds_skipped += 1
         else:
-            self._gap, self._since_probe = self.probe_every, 0
+            self._stale, self._gap, self._since_probe = self._since_probe, self.probe_every, 0
             self._since_widen += 1
             if best_k < limit and self._since_widen >= self.widen_every:
                 self._since_widen = 0
@@ -188,9 +215,12 @@ class AutoDraftLen:
         return best_k
 
     def observe(self, proposed: int, accepted: int) -> None:
-        """Update conditional acceptance: positions 1..accepted were accepted, accepted+1 (if proposed) was not."""
+        """Update conditional acceptance: positions 1..accepted were accepted, accepted+1 (if proposed) was
+        not; weighted `1 - decay`, more after plain rounds (`weight`)."""
+        w = self.weight(self._stale)
         for i in range(min(proposed, self.max_k)):
             if i > accepted:
                 break
             hit = 1.0 if i < accepted else 0.0
-            self.accept[i] = self.decay * self.accept[i] + (1 - self.decay) * hit
+            self.accept[i] += (hit - self.accept[i]) * w
+        self._stale = 0

@@ -26,10 +26,13 @@ class Prompt:
     kind: str  # prompt class, e.g. "code", "edit", "chat"
 
 
-def read_prompts(path: Path, pair, limit: int | None = None) -> list[Prompt]:
-    """JSONL: {"id", "prompt" | "messages", "chat": bool (default true for "prompt"), "class"}."""
+def read_prompts(path, pair, limit: int | None = None) -> list[Prompt]:
+    """JSONL: {"id", "prompt" | "messages", "chat": bool (default true for "prompt"), "class"}.
+    `path`: one file, or several (their prompts in order)."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
+    if isinstance(path, (list, tuple)):
+        return [p for one in path for p in read_prompts(one, pair)][:limit]
     try:
         lines = Path(path).read_bytes().decode("utf-8").splitlines()
     except OSError as e:

@@ -149,10 +149,11 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             rates = [auto.best(limit, switch_s)[1], model_auto.best(limit)[1]]
             if None not in rates and rates[1] > rates[0]:
                 src, auto = drafter.model, controller(drafter.model.kind)
-        k_now = auto.choose(limit, src.behind(seq)) if auto else limit
+        left = cfg.max_new_tokens - len(out)
+        k_now = auto.choose(limit, src.behind(seq), left) if auto else limit
         if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
             src, auto = drafter.model, controller(drafter.model.kind)
-            k_now = auto.choose(limit, src.behind(seq))
+            k_now = auto.choose(limit, src.behind(seq), left)
         elif k_now and hybrid_ngram and src.name == "ngram":  # a round without the model: counts to its next probe
             controller(drafter.model.kind).wait()
         stats.rounds += 1

@@ -1,0 +1,39 @@
+"""In-process A/B of auto's acceptance estimate and probes (adaptive.AutoDraftLen): before (commit 5290011),
+an EMA at weight 0.15 and probes due when 1.5% of the plain rounds since the last one cover their cost; now,
+the estimate ages in plain rounds (a probe after a long pause counts up to half) and a probe is also due when
+what it may save over the rest of the request covers its cost. Each variant keeps its own costs, acceptance
+and probe schedule (bench/ab.py). In bench/results/ab_auto_stale.log, "model_now" and "hybrid_now" also ran
+the cost update of bench/ab_cost_speed.py (since reverted); "model_now_oldcost" is the code as committed.
+Usage: python bench/ab_auto_stale.py PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N] [--prompts=FILE,FILE]"""
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+from ab import main
+from specrt.runtime import decode
+from specrt.runtime.adaptive import AutoDraftLen, CostModel
+
+src = subprocess.run(["git", "show", "5290011:specrt/runtime/adaptive.py"], capture_output=True, text=True, check=True,
+                     cwd=Path(__file__).parent).stdout
+old = sys.modules["adaptive_5290011"] = types.ModuleType("adaptive_5290011")
+exec(compile(src, "adaptive_5290011.py", "exec"), old.__dict__)
+
+
+class OldAuto(old.AutoDraftLen):
+    def choose(self, limit, behind=0, remaining=0):
+        return super().choose(limit, behind)
+
+
+def use(auto, observe):
+    def setup():
+        decode.AutoDraftLen = auto
+        CostModel.observe_target = observe
+    return setup
+
+
+ema = CostModel.observe_target
+main({"none": (0, "model", use(AutoDraftLen, ema)),
+      "model_before": ("auto", "model", use(OldAuto, ema)), "model_now": ("auto", "model", use(AutoDraftLen, ema)),
+      "hybrid_before": ("auto", "hybrid", use(OldAuto, ema)), "hybrid_now": ("auto", "hybrid", use(AutoDraftLen, ema))},
+     __doc__)
