@@ -10,7 +10,9 @@ one pass (measured here: ~2.3 ms a token for the int4 0.5B draft, ~7% of a targe
 after 60 plain rounds costs ~4% of them). So a probe waits until the plain rounds since the last one
 are worth `probe_budget` of the probe's cost *now* (draft step + catch-up over the tokens the draft is
 behind + a wider verify): within a long request that seldom happens, at the start of the next
-request (behind = its prompt) it does, which is where probes then land. Every probe that does not
+request (behind = its prompt) it does, which is where probes then land; a probe is also due when what it
+is expected to save over the rest of the request covers its cost (`probe_value`). The estimate ages in
+plain rounds (`weight`), so the first observation after a long pause counts up to half. Every probe that does not
 restart drafting also doubles the wait before the next (`probe_every` rounds up to
 `max_probe_every`, after which a probe is due whatever it costs), so a draft that never pays costs
 less and less. Likewise, positions past the chosen k are never observed, so a pessimistic estimate
