@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ab import main
 from specrt.runtime import decode
-from specrt.runtime.adaptive import AutoDraftLen, CostModel
+from specrt.runtime.adaptive import AutoDraftLen
 
 src = subprocess.run(["git", "show", "5290011:specrt/runtime/adaptive.py"], capture_output=True, text=True, check=True,
                      cwd=Path(__file__).parent).stdout
@@ -25,15 +25,13 @@ class OldAuto(old.AutoDraftLen):
         return super().choose(limit, behind)
 
 
-def use(auto, observe):
+def use(auto):
     def setup():
         decode.AutoDraftLen = auto
-        CostModel.observe_target = observe
     return setup
 
 
-ema = CostModel.observe_target
-main({"none": (0, "model", use(AutoDraftLen, ema)),
-      "model_before": ("auto", "model", use(OldAuto, ema)), "model_now": ("auto", "model", use(AutoDraftLen, ema)),
-      "hybrid_before": ("auto", "hybrid", use(OldAuto, ema)), "hybrid_now": ("auto", "hybrid", use(AutoDraftLen, ema))},
+main({"none": (0, "model", use(AutoDraftLen)),
+      "model_before": ("auto", "model", use(OldAuto)), "model_now": ("auto", "model", use(AutoDraftLen)),
+      "hybrid_before": ("auto", "hybrid", use(OldAuto)), "hybrid_now": ("auto", "hybrid", use(AutoDraftLen))},
      __doc__)

@@ -120,13 +120,13 @@ class NgramDrafter:
 
     No model at all; it shines where the answer repeats the input (code edits, quoting). How often a
     proposal is right depends mostly on how long a suffix it matched (greedy outputs of the 1.5B target
-    on 18 prompts: the first token is accepted 21% of the time after a 1-token match, 46% after 2,
+    on 15 prompts: the first token is accepted 21% of the time after a 1-token match, 46% after 2,
     ~80% after 3-7 and 84-95% after 8 or more), so `pick` names each proposal's kind by that length
     ("ngram1", "ngram2", "ngram3" = 3-7, "ngram8" = 8 or more) and `draft_len="auto"` keeps one
     controller per kind: a long copy gets long drafts. Among equally long matches the first wins: in an
     edit the first occurrence is mostly the source being copied (the prompt's code), later ones
-    coincidental repeats (bench/ngram_match.py: +11% tokens per target pass on edits over the most recent
-    3-gram, the same on code and chat).
+    coincidental repeats (bench/ngram_match.py: +5% tokens per target pass on edits at k=3, +11% at k=8,
+    over the most recent 3-gram; the same on code and chat).
     """
 
     name = "ngram"
