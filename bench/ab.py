@@ -31,7 +31,7 @@ def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
         variants = {v: variants[v] for v in ["none"] + args[2].split(",")}
     pair = specrt.load(args[0])
     files = opts.get("prompts", "bench/prompts/prompts.jsonl").split(",")
-    plist = [p for f in files for p in read_prompts(Path(f), pair)][:int(opts.get("limit", 10**6))]
+    plist = read_prompts([Path(f) for f in files], pair, int(opts["limit"]) if "limit" in opts else None)
     state = {v: ({}, {}, copy.deepcopy(pair.costs)) for v in variants}
     res = {v: {} for v in variants}
 

@@ -78,7 +78,7 @@ def main():
     n_new = int(opts.get("max-new-tokens", 128))
     pair = specrt.load(args[0])
     files = args[1:] or ["bench/prompts/prompts.jsonl", "bench/prompts/edits.jsonl"]
-    prompts = [p for f in files for p in read_prompts(Path(f), pair)]
+    prompts = read_prompts([Path(f) for f in files], pair)
     runs = {}
     for p in prompts:
         r = pair.run(p.ids, pair.config(max_new_tokens=n_new, draft_len=0, drafter="model"))
