@@ -407,3 +407,39 @@ def test_a_probe_is_due_when_it_is_worth_its_cost():
     assert first_probe(0.37, 200) == 1
     assert first_probe(0.05, 200) == 0 and first_probe(0.37, 20) == 0
     assert AutoDraftLen(8, costs, accept=[0.37] * 8).probe_value(8, 0) == 0.0
+
+
+class _Cycle:
+    """A target whose greedy next token follows a cycle 3, 4, ..., 12, 3, ...: an n-gram proposal that
+    continues an earlier lap is always right."""
+
+    def __init__(self, V=16):
+        self.V, self.length, self.max_len, self.batch = V, 0, 256, 1
+
+    def forward(self, tokens, logit_positions):
+        out = np.zeros((1, len(logit_positions), self.V), np.float32)
+        for j, p in enumerate(logit_positions):
+            out[0, j, 3 + (int(tokens[0, p]) - 2) % 10] = 10.0
+        self.length += tokens.shape[1]
+        return out
+
+    def truncate(self, length):
+        self.length = length
+
+
+def test_an_unverified_ngram_proposal_is_scored_for_free():
+    """A plain round (or a hybrid round the model drafted) still tells how the n-gram proposal would
+    have fared: the target's emitted tokens either continue it or not. So an estimate that says "never
+    draft" recovers as soon as the text starts repeating, instead of waiting 16 rounds for a probe, and
+    a round that verified k tokens of a longer proposal also scores token k + 1 against the target's own."""
+    from specrt.runtime.drafters import NgramDrafter
+
+    cfg = GenerationConfig(max_new_tokens=60, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
+    prompt = list(range(3, 13)) + [3, 4]  # one lap and a bit: the n-gram drafter matches from the start
+    out, _, stats = decode(_Cycle(), NgramDrafter(), prompt, cfg, 16, frozenset(),
+                           costs=FrozenCosts(target_s={1: 1.0, 9: 1.2}), prior={"ngram": [0.0] * 8})
+    assert out == [3 + (t - 3) % 10 for t in range(5, 65)]  # 5, 6, ... as target-only would give
+    # plain only until the estimate recovers (scoring only what was verified: 20 plain rounds, 36 in all)
+    assert stats.draft_len_hist.get(0, 0) <= 4, stats.draft_len_hist
+    # and deeper positions are measured past what was drafted (the target's extra token checks the next one)
+    assert stats.rounds <= 20 and min(stats.acceptance_estimate["ngram8"][:4]) > 0.5, stats

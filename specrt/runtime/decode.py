@@ -139,6 +139,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         limit = min(k, cfg.max_new_tokens - len(out) - 1)
         src = drafter.pick(seq, limit) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
         auto = controller(src.kind) if limit > 0 else None
+        lookup = getattr(drafter, "ngram", drafter) if adaptive and limit > 0 else None  # the n-gram drafter, if any
         hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
         if hybrid_ngram:  # use the proposal expected to pay more
             # Leaving a caught-up draft model for an n-gram round costs it a catch-up pass when it drafts
@@ -186,21 +187,34 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         else:
             n, t = sampling.accept_sample(d, p_draft, sampling.warp(logits, cfg.sampling), rng.random(k_now + 1))
 
+        new = [int(v) for v in d[:n]] + [t]
+        if auto:  # what the controller expected of this round
+            predicted_tokens += auto.expected_tokens(k_now)
+            predicted_s += auto.cost(k_now)
+        scored = None
+        if lookup is not None and lookup.name == "ngram" and lookup.matched >= getattr(drafter, "min_match", 1):
+            # The n-gram proposal is scored in full against what the target emitted, whether this round
+            # verified all of it, part of it or none of it (a plain round, a hybrid round the model
+            # drafted): a point-mass draft token is accepted exactly when the target's token equals it
+            # (greedy), or with p_target(token), the chance that the emitted sample equals it. So its kind's
+            # estimate keeps learning where it would otherwise stick, and positions past k are measured too.
+            shadow = lookup.proposal
+            m = next((i for i, (a, b) in enumerate(zip(shadow, new)) if a != b), min(len(shadow), len(new)))
+            scored = controller(lookup.kind)
+            scored.observe(m if m == len(new) else min(len(shadow), m + 1), m)
+        if auto and auto is not scored:  # then what it saw
+            auto.observe(k_now, n)
+
         # 4. Commit: keep the verified slots; rejected ones are dropped by moving the length back.
         target.truncate(base + 1 + n)
         if drafter is not None:
             drafter.commit(len(seq) + n)
-        if auto:  # what the controller expected of this round, then what it saw
-            predicted_tokens += auto.expected_tokens(k_now)
-            predicted_s += auto.cost(k_now)
-            auto.observe(k_now, n)
         spent += t2 - t0
         stats.proposed += k_now
         stats.accepted += n
         for i in range(k_now):
             stats.proposed_at[i] += 1
             stats.accepted_at[i] += i < n
-        new = [int(v) for v in d[:n]] + [t]
 
     stats.new_tokens = len(out)
     stats.wall_s = time.perf_counter() - start
