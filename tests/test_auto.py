@@ -443,3 +443,22 @@ def test_an_unverified_ngram_proposal_is_scored_for_free():
     assert stats.draft_len_hist.get(0, 0) <= 4, stats.draft_len_hist
     # and deeper positions are measured past what was drafted (the target's extra token checks the next one)
     assert stats.rounds <= 20 and min(stats.acceptance_estimate["ngram8"][:4]) > 0.5, stats
+
+
+@pytest.mark.parametrize("laps,model_rounds", [(10, 0), (1, 1)])
+def test_hybrid_charges_the_model_its_catch_up(laps, model_rounds):
+    """At the start of a request the draft model has read nothing: its first draft step also reads the
+    prompt. hybrid charges that to the model's proposal, so after a long prompt a fair n-gram proposal
+    wins the first rounds (and the model, never needed, never reads the prompt), after a short one the
+    better model draft does."""
+    from specrt.runtime.drafters import HybridDrafter, NgramDrafter
+
+    V = 16
+    cfg = GenerationConfig(max_new_tokens=40, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
+    prompt = list(range(3, 13)) * laps + [3, 4]
+    drafter = HybridDrafter(ModelDrafter(_Cycle(V), V), NgramDrafter())
+    costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.2}, draft_read_s=0.05)
+    out, _, stats = decode(_Cycle(V), drafter, prompt, cfg, V, frozenset(), costs=costs,
+                           prior={"ngram": [0.7] * 8, "hybrid-model": [0.99] * 8})
+    assert out == [3 + (t - 3) % 10 for t in range(5, 45)]
+    assert min(stats.rounds_by_drafter.get("model", 0), 1) == model_rounds, stats.rounds_by_drafter

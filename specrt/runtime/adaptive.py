@@ -136,21 +136,25 @@ class AutoDraftLen:
                 best_k, best_rate = k, rate
         return best_k, best_rate
 
+    def catchup_cost(self, behind: int) -> float:
+        """Predicted seconds the draft model's next pass spends reading the `behind` tokens it has not
+        seen, beyond the one a draft step reads anyway (before `draft_read_s` is measured: about one
+        more pass); 0 for a free draft."""
+        if self.free_draft:
+            return 0.0
+        if self.costs.draft_read_s is None:
+            return self.costs.draft_s or 0.0
+        return max(behind - 1, 0) * self.costs.draft_read_s
+
     def probe_cost(self, behind: int) -> float | None:
         """Predicted extra seconds of a one-token probe now: a draft step, the draft's catch-up over the
-        `behind` tokens it has not read (before `draft_read_s` is measured: about one more pass), and a
-        verify one token wider than a plain step. None while nothing is measured."""
+        `behind` tokens it has not read, and a verify one token wider than a plain step. None while
+        nothing is measured."""
         c1 = self.costs.target(1)
         draft_s = 0.0 if self.free_draft else self.costs.draft_s
         if not c1 or draft_s is None:
             return None
-        if self.free_draft:
-            catchup = 0.0
-        elif self.costs.draft_read_s is None:
-            catchup = draft_s
-        else:
-            catchup = max(behind - 1, 0) * self.costs.draft_read_s
-        return draft_s + catchup + max((self.costs.target(2) or c1) - c1, 0.0)
+        return draft_s + self.catchup_cost(behind) + max((self.costs.target(2) or c1) - c1, 0.0)
 
     def weight(self, stale: int) -> float:
         """EMA weight of an observation after `stale` plain rounds. The estimate counts as

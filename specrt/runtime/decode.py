@@ -143,11 +143,14 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
         if hybrid_ngram:  # use the proposal expected to pay more
             # Leaving a caught-up draft model for an n-gram round costs it a catch-up pass when it drafts
-            # again (about one draft step); once it is behind, more n-gram rounds add little to that pass.
+            # again (about one draft step); once it is behind, more n-gram rounds add little to that pass,
+            # and it is the model's round that pays it: reading what it is behind by (at the start of a
+            # request, the whole prompt) before its first draft step.
             model_auto = controller(drafter.model.kind)
-            caught_up = drafter.model.behind(seq) <= 2
-            switch_s = (model_auto.costs.draft_s or 0.0) if caught_up else 0.0
-            rates = [auto.best(limit, switch_s)[1], model_auto.best(limit)[1]]
+            behind = drafter.model.behind(seq)
+            switch_s = (model_auto.costs.draft_s or 0.0) if behind <= 2 else 0.0
+            catchup_s = model_auto.catchup_cost(behind) if behind > 2 else 0.0
+            rates = [auto.best(limit, switch_s)[1], model_auto.best(limit, catchup_s)[1]]
             if None not in rates and rates[1] > rates[0]:
                 src, auto = drafter.model, controller(drafter.model.kind)
         left = cfg.max_new_tokens - len(out)
