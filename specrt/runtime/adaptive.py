@@ -195,16 +195,22 @@ class AutoDraftLen:
         since its last probe (a kind that is drafting resets that count when next asked)."""
         self._since_probe += 1
 
-    def choose(self, limit: int, behind: int = 0, remaining: int = 0) -> int:
+    def choose(self, limit: int, behind: int = 0, remaining: int = 0, share: float = 1.0) -> int:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft model would have
         to read before it can draft (what a probe's catch-up costs); `remaining`: tokens the request may
-        still generate (what a probe that restarts drafting could save on)."""
+        still generate (what a probe that restarts drafting could save on); `share`: the part of them
+        this drafter is expected to draft for (hybrid's model: the rounds without an n-gram proposal)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
         best_k, rate = self.best(limit)
         if rate is None:
             return best_k
+        if best_k and behind > 2 and remaining > 0 and not self.free_draft:
+            # Drafting first needs a catch-up pass over what the draft has not read (at the start of a
+            # request, the prompt): worth it only if drafting saves that much over the tokens left.
+            if remaining * share * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
+                best_k = 0
         if best_k == 0:
             self._since_probe += 1
             if self.probe_due(behind, limit, remaining):

@@ -121,6 +121,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     if k:
         drafter.start(prompt)
     seq, out = list(prompt), []
+    unmatched = 0  # hybrid: rounds in which no n-gram proposal could be used
     new, reason = [x], ""
     while True:
         # 5. Stop checks: never emit past EOS or max_new_tokens.
@@ -139,6 +140,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
         limit = min(k, cfg.max_new_tokens - len(out) - 1)
         src = drafter.pick(seq, limit) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
         auto = controller(src.kind) if limit > 0 else None
+        unmatched += src is not None and src.name == "model" and drafter.name == "hybrid"
         lookup = getattr(drafter, "ngram", drafter) if adaptive and limit > 0 else None  # the n-gram drafter, if any
         hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
         if hybrid_ngram:  # use the proposal expected to pay more
@@ -154,10 +156,13 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             if None not in rates and rates[1] > rates[0]:
                 src, auto = drafter.model, controller(drafter.model.kind)
         left = cfg.max_new_tokens - len(out)
-        k_now = auto.choose(limit, src.behind(seq), left) if auto else limit
+        share = 1.0  # of the tokens left, the part the model is expected to draft for
+        if auto and drafter.name == "hybrid":  # hybrid: about the part of the rounds with no n-gram proposal so far
+            share = (unmatched + 1) / (stats.rounds + 2)
+        k_now = auto.choose(limit, src.behind(seq), left, share) if auto else limit
         if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
             src, auto = drafter.model, controller(drafter.model.kind)
-            k_now = auto.choose(limit, src.behind(seq), left)
+            k_now = auto.choose(limit, src.behind(seq), left, share)
         elif k_now and hybrid_ngram and src.name == "ngram":  # a round without the model: counts to its next probe
             controller(drafter.model.kind).wait()
         stats.rounds += 1
