@@ -468,11 +468,12 @@ def test_a_draft_that_must_read_the_prompt_first_drafts_only_if_that_pays():
     """At the start of a request the draft model has not read the prompt. Drafting then costs a
     catch-up pass over it (here 200 tokens at 2 ms: 0.4 s), worth paying only if drafting saves that
     much over the tokens left: 100 tokens at ~9 ms saved each do, 20 do not, nor do 100 of which
-    hybrid's model may draft a quarter. A caught-up draft drafts whatever is left."""
+    hybrid's model may expect to draft a quarter (n-gram proposals serve the rest). A caught-up draft
+    drafts whatever is left."""
     costs = FrozenCosts(draft_s=0.010, target_s={1: 0.030, 2: 0.034, 9: 0.060}, draft_read_s=0.002)
 
     def k(behind, remaining, share=1.0):
         return AutoDraftLen(8, costs, accept=[0.9] * 8).choose(8, behind, remaining, share)
 
-    assert k(200, 100) > 0 and k(200, 20) == 0 and k(200, 100, share=0.25) == 0
+    assert k(200, 100) > 0 and k(200, 20) == 0 and k(200, 100, share=0.25) == 0 and k(200, 100, share=0.75) > 0
     assert k(2, 20) > 0 and k(2, 5, share=0.25) > 0

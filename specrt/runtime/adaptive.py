@@ -199,7 +199,7 @@ class AutoDraftLen:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft model would have
         to read before it can draft (what a probe's catch-up costs); `remaining`: tokens the request may
         still generate (what a probe that restarts drafting could save on); `share`: the part of them
-        this drafter is expected to draft for (hybrid's model: the rounds without an n-gram proposal)."""
+        this drafter may expect to draft for (hybrid's model: the rounds no n-gram proposal serves)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
@@ -208,12 +208,13 @@ class AutoDraftLen:
             return best_k
         if best_k and behind > 2 and remaining > 0 and not self.free_draft:
             # Drafting first needs a catch-up pass over what the draft has not read (at the start of a
-            # request, the prompt): worth it only if drafting saves that much over the tokens left.
+            # request, the prompt; in hybrid, what n-gram rounds emitted): worth it only if drafting
+            # saves that much over the tokens it may then draft for.
             if remaining * share * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
                 best_k = 0
         if best_k == 0:
             self._since_probe += 1
-            if self.probe_due(behind, limit, remaining):
+            if self.probe_due(behind, limit, int(remaining * share)):  # a probe too saves only over that share
                 self._gap = min(2 * self._since_probe, self.max_probe_every)  # twice the wait it just had
                 self._stale, self._since_probe = self._since_probe, 0
                 return 1

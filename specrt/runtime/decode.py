@@ -121,7 +121,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     if k:
         drafter.start(prompt)
     seq, out = list(prompt), []
-    unmatched = 0  # hybrid: rounds in which no n-gram proposal could be used
+    served = 0  # rounds an n-gram proposal drafted
     new, reason = [x], ""
     while True:
         # 5. Stop checks: never emit past EOS or max_new_tokens.
@@ -138,9 +138,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             break
         # A round emits at most k_now + 1 tokens: draft no further than max_new_tokens allows.
         limit = min(k, cfg.max_new_tokens - len(out) - 1)
-        src = drafter.pick(seq, limit) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
+        src = drafter.pick(seq, limit, adaptive) if drafter is not None and limit > 0 else drafter  # hybrid: n-gram or model
         auto = controller(src.kind) if limit > 0 else None
-        unmatched += src is not None and src.name == "model" and drafter.name == "hybrid"
         lookup = getattr(drafter, "ngram", drafter) if adaptive and limit > 0 else None  # the n-gram drafter, if any
         hybrid_ngram = auto is not None and src.name == "ngram" and drafter.name == "hybrid"
         if hybrid_ngram:  # use the proposal expected to pay more
@@ -156,9 +155,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             if None not in rates and rates[1] > rates[0]:
                 src, auto = drafter.model, controller(drafter.model.kind)
         left = cfg.max_new_tokens - len(out)
-        share = 1.0  # of the tokens left, the part the model is expected to draft for
-        if auto and drafter.name == "hybrid":  # hybrid: about the part of the rounds with no n-gram proposal so far
-            share = (unmatched + 1) / (stats.rounds + 2)
+        # hybrid's model may expect to draft for about the part of the rounds no n-gram proposal served so far
+        share = (stats.rounds - served + 1) / (stats.rounds + 2) if drafter is not None and drafter.name == "hybrid" else 1.0
         k_now = auto.choose(limit, src.behind(seq), left, share) if auto else limit
         if k_now == 0 and hybrid_ngram and src.name == "ngram":  # the n-gram proposal does not pay: maybe the model's
             src, auto = drafter.model, controller(drafter.model.kind)
@@ -178,6 +176,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
                     costs.observe_catchup(src.catchup_s, src.catchup_tokens)
             stats.draft_passes += passes
             stats.rounds_by_drafter[src.name] = stats.rounds_by_drafter.get(src.name, 0) + 1
+            served += src.name == "ngram"
         k_now = len(d)
         stats.draft_len_hist[k_now] = stats.draft_len_hist.get(k_now, 0) + 1
 
@@ -200,7 +199,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             predicted_tokens += auto.expected_tokens(k_now)
             predicted_s += auto.cost(k_now)
         scored = None
-        if lookup is not None and lookup.name == "ngram" and lookup.matched >= getattr(drafter, "min_match", 1):
+        if lookup is not None and lookup.name == "ngram" and lookup.matched:
             # The n-gram proposal is scored in full against what the target emitted, whether this round
             # verified all of it, part of it or none of it (a plain round, a hybrid round the model
             # drafted): a point-mass draft token is accepted exactly when the target's token equals it

@@ -65,7 +65,7 @@ class ModelDrafter:
         self.catchup_s = 0.0  # time of the last propose's first pass when it caught up on > 2 tokens
         self.catchup_tokens = 0  # how many tokens that pass read
 
-    def pick(self, seq: list[int], k: int):
+    def pick(self, seq: list[int], k: int, judged: bool = False):
         return self
 
     def behind(self, seq: list[int]) -> int:
@@ -143,7 +143,7 @@ class NgramDrafter:
     def behind(self, seq: list[int]) -> int:
         return 0  # nothing to catch up
 
-    def pick(self, seq: list[int], k: int):
+    def pick(self, seq: list[int], k: int, judged: bool = False):
         d, n = self.match(seq, k)
         self._picked = (len(seq), k, d)
         self.matched = n
@@ -189,7 +189,9 @@ class HybridDrafter:
     """Take the n-gram proposal when it is at least `min_len` long and continues a match of at least
     `min_match` tokens, else ask the draft model. A 1-token match is right ~20% of the time (the
     model draft's first token ~80% on code): verifying it costs a target pass for ~1.2 tokens, less
-    than plain decoding gives, so it goes to the model."""
+    than plain decoding gives, so at a fixed draft length it goes to the model. With
+    `draft_len="auto"` every proposal is offered (`judged`): auto weighs each kind's measured
+    acceptance against the model draft's, and on edits a 1-token match is right far more often."""
 
     name = "hybrid"
     min_match = 2
@@ -204,9 +206,12 @@ class HybridDrafter:
         self.model.start(prompt)
         self.ngram.start(prompt)
 
-    def pick(self, seq: list[int], k: int):
-        """The drafter this round would use: the n-gram one when its proposal and match are long enough."""
+    def pick(self, seq: list[int], k: int, judged: bool = False):
+        """The drafter this round would use: the n-gram one when its proposal and match are long enough
+        (`judged`: when it has any; the caller judges it)."""
         ng = self.ngram.pick(seq, k)
+        if judged:
+            return ng if len(ng.proposal) else self.model
         return ng if len(ng.proposal) >= min(self.min_len, k) and ng.matched >= self.min_match else self.model
 
     def propose(self, seq, k, cfg, rng, confidence_stop: float = 0.0):
