@@ -4,7 +4,8 @@
 - "catch-up" (after it): in hybrid, the model's proposal is charged the catch-up pass it needs first when the
   draft model is behind (the whole prompt at the start of a request).
 Variants: n-gram and hybrid auto before both (commit 04f3ba2), hybrid with the first only (ea1cf4c), both
-now; target-only alongside (bench/ab.py; priced and wall ratios). bench/results/ab_shadow_v1.log is an
+now (in bench/results/ab_shadow.log: commit 776c93f); target-only alongside (bench/ab.py; priced and wall
+ratios). bench/results/ab_shadow_v1.log is an
 earlier run of a first version of "shadow" that scored only proposals a round did not verify at all.
 Usage: python bench/ab_shadow.py PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N] [--prompts=FILE,FILE]
 [--frozen] [--table=FILE]"""
