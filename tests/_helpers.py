@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from specrt.runtime.adaptive import CostModel
+
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]  # + 3 specials = 11 ids
 EOS_ID = 2  # "<|im_end|>" in every tiny tokenizer
 
@@ -122,3 +124,17 @@ def sequence_index(tokens, V: int) -> int:
     for t in tokens:
         i = i * V + int(t)
     return i
+
+
+
+class FrozenCosts(CostModel):
+    """A cost model that ignores measurements, so auto's choices are deterministic."""
+
+    def observe_draft(self, seconds, passes):
+        pass
+
+    def observe_target(self, width, seconds):
+        pass
+
+    def observe_catchup(self, seconds, tokens):
+        pass

@@ -7,26 +7,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
+from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joint, sequence_index
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime.adaptive import AutoDraftLen, CostModel
 from specrt.runtime.decode import decode
 from specrt.runtime.drafters import ModelDrafter
-
-
-class FrozenCosts(CostModel):
-    """A cost model that ignores measurements, so the controller's choices are deterministic."""
-
-    def observe_draft(self, seconds, passes):
-        pass
-
-    def observe_target(self, width, seconds):
-        pass
-
-    def observe_catchup(self, seconds, tokens):
-        pass
 
 
 def cheap_drafts():
