@@ -24,8 +24,10 @@ monkeypatch one piece of specrt) right before each of its requests.
 import copy
 import json
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,29 @@ import numpy as np
 import specrt
 from specrt.runtime.adaptive import CostModel
 from specrt.runtime.bench import read_prompts
+
+
+def at_commit(commit: str, *names: str) -> dict:
+    """specrt.runtime modules (by name: "adaptive", "decode", ...) as they were at `commit`, loaded
+    under other names; a module imports the ones named before it from that commit too (decode, after
+    adaptive, then plans with that commit's AutoDraftLen)."""
+    mods = {}
+    for name in names:
+        src = subprocess.run(["git", "show", f"{commit}:specrt/runtime/{name}.py"], capture_output=True, text=True,
+                             check=True, cwd=Path(__file__).parent).stdout
+        for prev in mods:
+            src = src.replace(f"from specrt.runtime.{prev} import", f"from {prev}_{commit} import")
+        mod = sys.modules[f"{name}_{commit}"] = types.ModuleType(f"{name}_{commit}")
+        exec(compile(src, f"{name}_{commit}.py", "exec"), mod.__dict__)
+        mods[name] = mod
+    return mods
+
+
+def setting(obj, attr: str, value):
+    """A variant's setup: put `value` in place as `obj.attr` before each of its requests."""
+    def setup():
+        setattr(obj, attr, value)
+    return setup
 
 
 class FrozenCosts(CostModel):

@@ -5,30 +5,20 @@ what it may save over the rest of the request covers its cost. Each variant keep
 and probe schedule (bench/ab.py). In bench/results/ab_auto_stale.log, "model_now" and "hybrid_now" also ran
 the cost update of bench/ab_cost_speed.py (since reverted); "model_now_oldcost" is the code as committed.
 Usage: python bench/ab_auto_stale.py PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N] [--prompts=FILE,FILE]"""
-import subprocess
-import sys
-import types
-from pathlib import Path
-
-from ab import main
+from ab import at_commit, main, setting
 from specrt.runtime import decode
 from specrt.runtime.adaptive import AutoDraftLen
 
-src = subprocess.run(["git", "show", "5290011:specrt/runtime/adaptive.py"], capture_output=True, text=True, check=True,
-                     cwd=Path(__file__).parent).stdout
-old = sys.modules["adaptive_5290011"] = types.ModuleType("adaptive_5290011")
-exec(compile(src, "adaptive_5290011.py", "exec"), old.__dict__)
+old = at_commit("5290011", "adaptive")["adaptive"]
 
 
 class OldAuto(old.AutoDraftLen):
-    def choose(self, limit, behind=0, remaining=0):
+    def choose(self, limit, behind=0, remaining=0, share=1.0):
         return super().choose(limit, behind)
 
 
 def use(auto):
-    def setup():
-        decode.AutoDraftLen = auto
-    return setup
+    return setting(decode, "AutoDraftLen", auto)
 
 
 main({"none": (0, "model", use(AutoDraftLen)),

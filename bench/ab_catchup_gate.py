@@ -9,35 +9,14 @@ ab_hybrid_judged_stretch.log a version that also offered hybrid every n-gram pro
 catch-up over the mean run of rounds without one (dropped); ab_hybrid_judged_served.log the code now.
 Usage: python bench/ab_catchup_gate.py PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N]
 [--prompts=FILE,FILE] [--frozen] [--table=FILE]"""
-import subprocess
-import sys
-import types
-from pathlib import Path
-
-from ab import main
+from ab import at_commit, main, setting
 from specrt.runtime import decode
 
-
-def at(commit):
-    mods = {}
-    for name in ("adaptive", "decode"):
-        src = subprocess.run(["git", "show", f"{commit}:specrt/runtime/{name}.py"], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).parent).stdout
-        mod = sys.modules[f"{name}_{commit}"] = types.ModuleType(f"{name}_{commit}")
-        if name == "decode":  # the old loop with the old controller
-            src = src.replace("from specrt.runtime.adaptive import", f"from {name.replace('decode', 'adaptive')}_{commit} import")
-        exec(compile(src, f"{name}_{commit}.py", "exec"), mod.__dict__)
-        mods[name] = mod
-    return mods["decode"].decode
-
-
-before, now = at("776c93f"), decode.decode
+before, now = at_commit("776c93f", "adaptive", "decode")["decode"].decode, decode.decode
 
 
 def use(fn):
-    def setup():
-        decode.decode = fn
-    return setup
+    return setting(decode, "decode", fn)
 
 
 main({"none": (0, "model", use(now)),

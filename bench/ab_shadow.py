@@ -9,30 +9,14 @@ ratios). bench/results/ab_shadow_v1.log is an
 earlier run of a first version of "shadow" that scored only proposals a round did not verify at all.
 Usage: python bench/ab_shadow.py PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N] [--prompts=FILE,FILE]
 [--frozen] [--table=FILE]"""
-import subprocess
-import sys
-import types
-from pathlib import Path
-
-from ab import main
+from ab import at_commit, main, setting
 from specrt.runtime import decode
 
-
-def at(commit):
-    src = subprocess.run(["git", "show", f"{commit}:specrt/runtime/decode.py"], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parent).stdout
-    mod = sys.modules[f"decode_{commit}"] = types.ModuleType(f"decode_{commit}")
-    exec(compile(src, f"decode_{commit}.py", "exec"), mod.__dict__)
-    return mod.decode
-
-
-before, shadow, now = at("04f3ba2"), at("ea1cf4c"), decode.decode
+before, shadow, now = at_commit("04f3ba2", "decode")["decode"].decode, at_commit("ea1cf4c", "decode")["decode"].decode, decode.decode
 
 
 def use(fn):
-    def setup():
-        decode.decode = fn
-    return setup
+    return setting(decode, "decode", fn)
 
 
 main({"none": (0, "model", use(now)),
