@@ -18,8 +18,9 @@ With --frozen the variants also *plan* with that table (a cost model that ignore
 their choices no longer follow the timing noise either: greedy runs are then deterministic, and a
 priced difference is the policy's alone, for this one table of costs.
 
-A variant is (draft_len, drafter, setup): `setup()` puts that variant's code in place (the scripts
-monkeypatch one piece of specrt) right before each of its requests.
+A variant is (draft_len, drafter, setup[, config]): `setup()` puts that variant's code in place (the
+scripts monkeypatch one piece of specrt) right before each of its requests; `config`: more
+GenerationConfig fields (a dict).
 """
 import copy
 import json
@@ -147,12 +148,12 @@ def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
     res = {v: {} for v in variants}
 
     def run(v, p, n):
-        k, drafter, setup = variants[v]
+        k, drafter, setup, *kw = variants[v]
         setup()
         pair.acceptance, pair.probes, pair.costs = state[v]
         pair.draft_memory.forget()
         meter.take()
-        stats = pair.run(p.ids, pair.config(max_new_tokens=n, draft_len=k, drafter=drafter)).stats
+        stats = pair.run(p.ids, pair.config(max_new_tokens=n, draft_len=k, drafter=drafter, **(kw[0] if kw else {}))).stats
         stats["priced_s"] = meter.take()
         return stats
 

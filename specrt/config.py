@@ -64,6 +64,9 @@ class GenerationConfig:
     drafter: str = "model"  # model | ngram (prompt lookup, no draft model) | hybrid
     ngram_max: int = 16  # longest suffix the prompt-lookup drafter matches (longer matches rank as equal)
     confidence_stop: float = 0.0  # a model draft stops early once its top probability falls below this
+    # The most tokens a draft model's catch-up pass reads; further behind, it starts over from the last
+    # ones (0: no limit; None: the device's default, runtime.drafters.default_window).
+    draft_window: int | None = None
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -78,6 +81,8 @@ class GenerationConfig:
             raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.draft_len != "auto" and (not _is_int(self.draft_len) or self.draft_len < 0):
             raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {self.draft_len!r}")
+        if self.draft_window is not None and (not _is_int(self.draft_window) or self.draft_window < 0):
+            raise ConfigError(f"draft_window must be an integer >= 0 (0 = no limit), got {self.draft_window!r}")
         if not 0.0 <= self.confidence_stop < 1.0:
             raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}")
         if any(not s for s in self.stop):

@@ -97,6 +97,7 @@ def test_generate_chat_without_template(broken):
     (["--prompt", "def", "--top-p", 0], "top_p must be in (0, 1]"),
     (["--prompt", "def", "--top-p", 1.5], "top_p must be in (0, 1]"),
     (["--prompt", "def", "--top-k", -3], "top_k must be >= 0"),
+    (["--prompt", "def", "--draft-window", -2], "draft_window must be an integer >= 0"),
     (["--prompt", "def", "--max-new-tokens", 0], "max_new_tokens must be >= 1"),
     (["--prompt", "def", "--stop", ""], "stop strings must not be empty"),
     (["--prompt", ""], "the prompt is empty"),
@@ -214,6 +215,7 @@ def test_api_non_integer_prompt_ids(qwen_pair, prompt):
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=2.0), "top_p"),
     (dict(top_k=-1), "top_k"),
+    (dict(draft_window=-1), "draft_window"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(max_new_tokens=300), "max_len"),
 ])

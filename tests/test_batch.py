@@ -30,6 +30,11 @@ def _same(batch, alone, what=""):
         assert batch.stats[k] == alone.stats[k], f"{what}: stats[{k!r}] {batch.stats[k]} != {alone.stats[k]}"
 
 
+def _alone(pair, prompt, cfg):
+    """The request run alone as a batch row runs it: the draft reads the prompt whole (draft_window 0)."""
+    return pair.run(prompt, dataclasses.replace(cfg, draft_window=0))
+
+
 def _first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -54,7 +59,7 @@ def _run_batch(pair, reqs, B, totals=None):
 def test_greedy_batch_equals_alone(pairs, model_type, k):
     pair = pairs[model_type]
     reqs = _requests(pair, k)
-    alone = [pair.run(r.prompt, r.cfg) for r in reqs]
+    alone = [_alone(pair, r.prompt, r.cfg) for r in reqs]
     for B in (1, 2, 3):
         tot = {}
         got = _run_batch(pair, reqs, B, tot)
@@ -78,7 +83,7 @@ def test_seeded_sampling_batch_equals_alone(stat_pair, qwen_pair, temperature, t
         max_new = [min(n, pair.manifest.max_len - 10) for n in MAX_NEW]
         reqs = _requests(pair, k, sampling, seeds=[11 * i + 1 for i in range(len(prompts))], max_new=max_new,
                          prompts=prompts)
-        alone = [pair.run(r.prompt, r.cfg) for r in reqs]
+        alone = [_alone(pair, r.prompt, r.cfg) for r in reqs]
         for B in (2, 3):
             got = _run_batch(pair, reqs, B)
             for r, a in zip(reqs, alone):
@@ -90,7 +95,7 @@ def test_int4_accuracy_level_0_batch_equals_alone(int4_pair):
     int8 activations, kernels round differently per batch shape: outputs may part at a near-tie.)"""
     for sampling in (SamplingConfig(), SamplingConfig(0.9, 20, 0.95)):
         reqs = _requests(int4_pair, 3, sampling, seeds=list(range(len(PROMPTS))))
-        alone = [int4_pair.run(r.prompt, r.cfg) for r in reqs]
+        alone = [_alone(int4_pair, r.prompt, r.cfg) for r in reqs]
         got = _run_batch(int4_pair, reqs, 3)
         for r, a in zip(reqs, alone):
             _same(got[r.key], a, f"{sampling} prompt {r.key}")
@@ -102,7 +107,7 @@ def test_many_seeds_and_eos(stat_pair):
     prompt = pair.encode("alpha beta")
     reqs = [Request(s, prompt, GenerationConfig(max_new_tokens=12, draft_len=3, seed=s,
                                                 sampling=SamplingConfig(1.0))) for s in range(60)]
-    alone = {r.key: pair.run(r.prompt, r.cfg) for r in reqs}
+    alone = {r.key: _alone(pair, r.prompt, r.cfg) for r in reqs}
     got = _run_batch(pair, reqs, 4)
     reasons = {a.finish_reason for a in alone.values()}
     assert reasons == {"eos", "length"}
@@ -128,13 +133,13 @@ def test_mixed_requests_in_one_batch(pairs):
                 drafter=str(rng.choice(["model", "ngram", "hybrid"])), confidence_stop=float(rng.choice([0.0, 0.3])),
                 sampling=SamplingConfig(*[(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 0.9)][i % 3]))
             reqs.append(Request(i, prompt, cfg))
-        alone = {r.key: pair.run(r.prompt, r.cfg) for r in reqs}
+        alone = {r.key: _alone(pair, r.prompt, r.cfg) for r in reqs}
         for j, r in enumerate(reqs):  # every third request stops at a string from the middle of its text
             text = alone[r.key].text
             stop = text[len(text) // 2: len(text) // 2 + 2]
             if j % 3 == 0 and len(text) > 10 and "\ufffd" not in stop:
                 reqs[j] = dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, stop=(stop,)))
-                alone[r.key] = pair.run(r.prompt, reqs[j].cfg)
+                alone[r.key] = _alone(pair, r.prompt, reqs[j].cfg)
         assert {a.finish_reason for a in alone.values()} >= {"stop", "length"}
         for B in (3, 8):
             tot = {}
@@ -148,7 +153,7 @@ def test_fewer_requests_than_slots_and_reuse(qwen_pair):
     """Idle slots ride along; one decoder runs several batches; the pair's own generate still works."""
     pair = qwen_pair
     reqs = _requests(pair, 3)[:2]
-    alone = [pair.run(r.prompt, r.cfg) for r in reqs]
+    alone = [_alone(pair, r.prompt, r.cfg) for r in reqs]
     with BatchDecoder(pair, 5) as dec:
         for _ in range(2):
             got = dict(dec.run(reqs))
@@ -156,7 +161,7 @@ def test_fewer_requests_than_slots_and_reuse(qwen_pair):
                 _same(got[r.key], a)
         assert list(dec.run([])) == []
     for r, a in zip(reqs, alone):
-        _same(pair.run(r.prompt, r.cfg), a)
+        _same(_alone(pair, r.prompt, r.cfg), a)
 
 
 def test_generate_batch_api(qwen_pair):
@@ -165,7 +170,8 @@ def test_generate_batch_api(qwen_pair):
     res = generate_batch(pair, PROMPTS[:5], batch_size=2, max_new_tokens=16, draft_len=2, temperature=0.9,
                          seed=[1, 2, 3, 4, 5], stop=["\n\n"], totals=tot)
     for i, p in enumerate(PROMPTS[:5]):
-        _same(res[i], pair.generate(p, max_new_tokens=16, draft_len=2, temperature=0.9, seed=i + 1, stop=["\n\n"]))
+        _same(res[i], pair.generate(p, max_new_tokens=16, draft_len=2, temperature=0.9, seed=i + 1, stop=["\n\n"],
+                                    draft_window=0))
         assert res[i].stats["batch_size"] == 2
     assert tot["batch_size"] == 2 and tot["tokens_per_s"] > 0
     chat = generate_batch(pair, ["hello there"], batch_size=1, max_new_tokens=8, chat=True, draft_len=0)[0]
@@ -217,6 +223,9 @@ def test_bad_requests(qwen_pair):
     ok = GenerationConfig(max_new_tokens=8, draft_len=2)
     with pytest.raises(ConfigError, match="fixed draft_len"):
         check_request(m, [5], dataclasses.replace(ok, draft_len="auto"))
+    with pytest.raises(ConfigError, match="draft_window must be 0 or unset"):
+        check_request(m, [5], dataclasses.replace(ok, draft_window=16))
+    check_request(m, [5], dataclasses.replace(ok, draft_window=0))
     with pytest.raises(ConfigError, match="max_draft_len"):
         check_request(m, [5], dataclasses.replace(ok, draft_len=m.max_draft_len + 1))
     with pytest.raises(ConfigError, match="max_len"):

@@ -80,7 +80,8 @@ def test_auto_keeps_a_controller_per_ngram_kind(same_pair, monkeypatch):
 
 
 @pytest.mark.parametrize("kw,match", [(dict(drafter="medusa"), "unknown drafter"), (dict(ngram_max=0), "ngram_max"),
-                                      (dict(ngram_max=17), "ngram_max")])
+                                      (dict(ngram_max=17), "ngram_max"), (dict(draft_window=-1), "draft_window"),
+                                      (dict(draft_window=8.5), "draft_window")])
 def test_generation_config_drafter_validation(kw, match):
     with pytest.raises(ConfigError, match=match):
         GenerationConfig(**kw)
@@ -99,6 +100,69 @@ def test_greedy_equals_target_only_for_every_drafter(qwen_pair, drafter, k):
         assert sum(s["rounds_by_drafter"].values()) <= s["rounds"]
         if drafter == "ngram":
             assert s["draft_passes"] == 0 and set(s["rounds_by_drafter"]) <= {"ngram"}
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_a_draft_window_bounds_every_catch_up_and_stays_lossless(qwen_pair, drafter, monkeypatch):
+    """With draft_window W the draft never reads more than W tokens in one pass (the prompt, what
+    n-gram rounds emitted): it starts over from the last W tokens. What is generated does not change."""
+    widths = []
+    forward = qwen_pair.draft.forward
+    monkeypatch.setattr(qwen_pair.draft, "forward", lambda t, p: (widths.append(t.shape[1]), forward(t, p))[1])
+    for prompt in REPETITIVE[:2]:
+        qwen_pair.draft_memory.forget()
+        base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0)
+        widths.clear()
+        res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=3, drafter=drafter, draft_window=6)
+        assert res.tokens == base.tokens
+        assert widths and max(widths) <= 6
+        assert len(qwen_pair.encode(prompt)) > 6 and widths[0] == 6  # the prompt: only its last 6 tokens
+
+
+def test_the_draft_window_defaults_to_the_devices_and_reaches_the_cli(qwen_dir, qwen_pair):
+    from specrt.runtime.drafters import default_window
+
+    assert default_window("cpu") == 32 and default_window("cuda") == 0
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2)).window == 32  # this pair runs on the CPU
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2, draft_window=0)).window is None
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=5)).model.window == 5
+    r = CliRunner().invoke(main, ["generate", str(qwen_dir), "--prompt", REPETITIVE[0], "--max-new-tokens", "16",
+                                  "--draft-window", "4", "--draft-len", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["tokens"] == qwen_pair.generate(REPETITIVE[0], max_new_tokens=16, draft_len=0).tokens
+    assert out["stats"]["draft_passes"] > 0
+
+
+def test_a_windowed_draft_cache_holds_the_sequence_from_its_offset():
+    """Cache bookkeeping after a start-over: the draft's slots hold seq[off:off + length] at every round
+    and the next request reuses them through the memory when its prompt extends that sequence."""
+    from specrt.runtime.drafters import DraftMemory
+
+    V, memory = 6, DraftMemory()
+    target = FakeEngine(0, V, max_len=96)
+    model = ModelDrafter(FakeEngine(1, V, max_len=96, like=target), V, memory=memory, window=4)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
+    out, _, st = decode(target, model, prompt, GenerationConfig(max_new_tokens=20, draft_len=2), V, frozenset())
+    seq = prompt + out
+    assert st.draft_passes and model.off >= len(prompt) - 4
+    eng = model.engine
+    assert list(eng.cache[:eng.length]) == seq[model.off:model.off + eng.length]
+    assert memory.off == model.off
+    # the next turn extends the sequence: the windowed slots are kept, nothing is read twice
+    model.start(seq + [3, 4])
+    assert model.off == memory.off and eng.length > 0
+    assert model.behind(seq + [3, 4]) == len(seq) + 2 - model.off - eng.length <= 4
+    # a prompt that differs inside the window keeps only the part before the difference
+    other = list(seq)
+    other[model.off + 1] = (other[model.off + 1] + 1) % V
+    model.memory.seq = seq
+    model.start(other)
+    assert eng.length == 1
+    # one that is shorter than the offset keeps nothing
+    model.memory.seq = seq
+    model.start(seq[:model.memory.off])
+    assert (model.off, eng.length) == (0, 0)
 
 
 def test_ngram_drafter_accepts_on_repetition(same_pair):
@@ -140,6 +204,14 @@ def test_hybrid_drafter_is_lossless(temperature, top_k, top_p, k):
     _lossless(make, temperature, top_k, top_p, k)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])
+def test_a_windowed_model_draft_is_lossless(temperature, top_k, top_p, k):
+    def make(target, V):  # a 2-token window: the draft starts over almost every round
+        return ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V, window=2)
+
+    _lossless(make, temperature, top_k, top_p, k)
+
+
 def test_cli_drafter_option(qwen_dir, qwen_pair):
     runner = CliRunner()
     r = runner.invoke(main, ["generate", str(qwen_dir), "--prompt", "def fib(n):", "--max-new-tokens", "16",
@@ -155,34 +227,35 @@ def test_cli_drafter_option(qwen_dir, qwen_pair):
 def test_draft_cache_prefix_is_reused_across_requests(qwen_pair, monkeypatch):
     """A prompt that extends the previous request's sequence (the next turn of a conversation) or
     shares its start (a system prompt) keeps those draft cache entries; the rest is read as usual,
-    and what is generated is exactly what a cold draft cache gives."""
+    and what is generated is exactly what a cold draft cache gives. (No catch-up window here: the
+    windowed cache's reuse is tested above.)"""
     pair, draft = qwen_pair, qwen_pair.draft
     cuts = []
     truncate = draft.truncate
     monkeypatch.setattr(draft, "truncate", lambda n: (cuts.append(n), truncate(n))[1])
     first = list(range(3, 40))
     pair.draft_memory.forget()
-    a = pair.generate(first, max_new_tokens=24, draft_len=3)
+    a = pair.generate(first, max_new_tokens=24, draft_len=3, draft_window=0)
     assert cuts[0] == 0  # nothing to reuse yet
     turn = first + a.tokens + [5, 6, 7]  # the conversation goes on
     read = draft.length  # the draft has not read the last emitted tokens yet
     assert len(first) + len(a.tokens) - 4 <= read <= len(first) + len(a.tokens)
     cuts.clear()
-    warm = pair.generate(turn, max_new_tokens=24, draft_len=3, temperature=0.8, seed=3)
+    warm = pair.generate(turn, max_new_tokens=24, draft_len=3, draft_window=0, temperature=0.8, seed=3)
     assert cuts[0] == read  # all of the previous sequence the draft had read
     pair.draft_memory.forget()
     cuts.clear()
-    cold = pair.generate(turn, max_new_tokens=24, draft_len=3, temperature=0.8, seed=3)
+    cold = pair.generate(turn, max_new_tokens=24, draft_len=3, draft_window=0, temperature=0.8, seed=3)
     assert cuts[0] == 0 and cold.tokens == warm.tokens
     # a different prompt that shares only the start
     cuts.clear()
-    pair.generate(first[:10] + [50, 51, 52], max_new_tokens=8, draft_len=2)
+    pair.generate(first[:10] + [50, 51, 52], max_new_tokens=8, draft_len=2, draft_window=0)
     assert cuts[0] == 10
     # code that drives the engines itself (batch, checks) makes the Pair forget
     with pair.exclusive():
         pass
     cuts.clear()
-    pair.generate(first[:10] + [50, 51, 52], max_new_tokens=8, draft_len=2)
+    pair.generate(first[:10] + [50, 51, 52], max_new_tokens=8, draft_len=2, draft_window=0)
     assert cuts[0] == 0
 
 
@@ -191,10 +264,10 @@ def test_draft_cache_reuse_never_trusts_slots_past_the_sequence(qwen_pair):
     pair = qwen_pair
     pair.draft_memory.forget()
     prompt = list(range(3, 30))
-    res = pair.generate(prompt, max_new_tokens=16, draft_len=8, temperature=1.0, seed=1)
+    res = pair.generate(prompt, max_new_tokens=16, draft_len=8, draft_window=0, temperature=1.0, seed=1)
     seq = prompt + res.tokens
     assert pair.draft.length <= len(pair.draft_memory.seq) <= len(seq) + 1
-    drafter = pair._drafter(GenerationConfig(draft_len=2))
+    drafter = pair._drafter(GenerationConfig(draft_len=2, draft_window=0))
     drafter.start(seq + [999])  # the next prompt: everything generated, then a token never seen
     assert pair.draft.length == min(len(pair.draft_memory.seq), len(seq))
 

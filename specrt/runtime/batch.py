@@ -50,7 +50,8 @@ from batch-1 passes in the last bits (other GEMM shapes, masked slots in the sof
 fp32 models that changes nothing but an exact near-tie (the tests find none); int4 at accuracy
 level 4 rounds differently per batch shape (see the README), so there greedy batch and lone text can
 part at a near-tie, both faithful to the weights. `draft_len="auto"` is not supported (its choices
-depend on per-request timings).
+depend on per-request timings). Nor is a draft catch-up window: a row's draft reads its prompt whole
+at refill and drafts every round at its fixed length, so a row equals a lone run with draft_window=0.
 """
 from __future__ import annotations
 
@@ -509,6 +510,8 @@ def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
 
     if cfg.draft_len == "auto":
         raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
+    if cfg.draft_window:
+        raise ConfigError("batched decoding reads every prompt whole in the draft: draft_window must be 0 or unset")
     check_lone(m, prompt, cfg)
 
 

@@ -41,27 +41,42 @@ class DraftMemory:
 
     def __init__(self):
         self.seq: list[int] = []
+        self.off = 0  # the position in `seq` of the token the first slot holds (a windowed draft)
 
     def forget(self) -> None:
-        self.seq = []
+        self.seq, self.off = [], 0
 
     def keep(self, n: int) -> None:
         """Keep only the first n tokens (the slots past them count as empty)."""
         self.seq = self.seq[:n]
 
 
+def default_window(device: str) -> int:
+    """The draft model's catch-up window when none is asked for (0: no limit). On the CPU a pass costs by
+    the token it reads (int4 0.5B draft: ~2.6 ms a token, a 150-token prompt ~11 target steps), and
+    reading only the last 32 drafted better than reading it all or the last 16 or 64 (bench/RESULTS.md,
+    ninth sitting). On a GPU a pass over a few hundred tokens costs about one step: the draft keeps it all."""
+    return 32 if device == "cpu" else 0
+
+
 class ModelDrafter:
-    """A small draft model with its own KV cache. Its cache always holds a prefix of the sequence.
-    `ids`: the token ids of its logits rows when its output vocabulary is restricted. `memory`: with
-    one, a request keeps the cache entries of the prefix its prompt shares with the previous request's
-    sequence (a system prompt, the earlier turns of a conversation) instead of reading them again.
-    That is exact: those entries are what a fresh read would compute, and the draft only steers
-    proposals, so the output cannot change either way."""
+    """A small draft model with its own KV cache. Its cache holds a stretch of the sequence from
+    position `off` on (0 unless windowed). `ids`: the token ids of its logits rows when its output
+    vocabulary is restricted. `memory`: with one, a request keeps the cache entries of the prefix its
+    prompt shares with the previous request's sequence (a system prompt, the earlier turns of a
+    conversation) instead of reading them again. That is exact: those entries are what a fresh read
+    would compute, and the draft only steers proposals, so the output cannot change either way.
+    `window`: the most tokens one catch-up pass reads (None: no limit). A draft further behind (the
+    prompt, at the start of a request; what n-gram rounds or plain rounds emitted) starts over from
+    the last `window` tokens: it drafts with less context, which may cost acceptance, never
+    correctness, and a catch-up never costs more than reading `window` tokens."""
 
     name = kind = "model"
 
-    def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None):
-        self.engine, self.vocab, self.ids, self.memory = engine, vocab, ids, memory
+    def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None,
+                 window: int | None = None):
+        self.engine, self.vocab, self.ids, self.memory, self.window = engine, vocab, ids, memory, window
+        self.off = 0  # the position in the sequence of the token the first cache slot holds
         self.catchup_s = 0.0  # time of the last propose's first pass when it caught up on > 2 tokens
         self.catchup_tokens = 0  # how many tokens that pass read
 
@@ -69,19 +84,22 @@ class ModelDrafter:
         return self
 
     def behind(self, seq: list[int]) -> int:
-        """Tokens of `seq` the draft has not read: what its next pass reads first."""
-        return len(seq) - self.engine.length
+        """Tokens its next pass reads first: what it has not read of `seq`, at most `window`."""
+        n = len(seq) - self.off - self.engine.length
+        return n if self.window is None else min(n, self.window)
 
     def start(self, prompt: list[int]) -> None:
         # No prefill here: the first propose feeds the prompt (a catch-up pass), so a request in which
         # auto never drafts never pays for the draft's prefill.
-        keep = 0
+        keep, self.off = 0, 0
         if self.memory is not None:
-            prev = self.memory.seq
-            n = min(self.engine.length, len(prev), len(prompt))  # slots past len(prev) may hold rejected drafts
-            same = np.asarray(prev[:n], np.int64) == np.asarray(prompt[:n], np.int64)
+            prev, off = self.memory.seq, self.memory.off
+            # slots past len(prev) may hold rejected drafts
+            n = max(min(self.engine.length, len(prev) - off, len(prompt) - off), 0)
+            same = np.asarray(prev[off:off + n], np.int64) == np.asarray(prompt[off:off + n], np.int64)
             keep = n if same.all() else int(same.argmin())
-            self.memory.seq = list(prompt[:keep])
+            self.off = off if keep else 0
+            self.memory.seq, self.memory.off = list(prompt[:self.off + keep]), self.off
         self.engine.truncate(keep)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
@@ -89,9 +107,12 @@ class ModelDrafter:
         """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
-        inp = seq[self.engine.length:]  # whatever the draft has not seen, x_last included
-        if self.memory is not None:
-            self.memory.seq = seq  # the live sequence: its committed tokens are what the slots hold
+        if self.window is not None and len(seq) - self.off - self.engine.length > self.window:
+            self.off = len(seq) - self.window  # start over from the last `window` tokens
+            self.engine.truncate(0)
+        inp = seq[self.off + self.engine.length:]  # whatever the draft has not seen, x_last included
+        if self.memory is not None:  # the live sequence: its committed tokens from `off` on are what the slots hold
+            self.memory.seq, self.memory.off = seq, self.off
         self.catchup_s, self.catchup_tokens = 0.0, 0
         for i in range(k):
             t0 = time.perf_counter()
@@ -111,7 +132,7 @@ class ModelDrafter:
 
     def commit(self, valid: int) -> None:
         """The first `valid` tokens of the sequence are committed: drop cache slots past them."""
-        self.engine.truncate(min(self.engine.length, valid))
+        self.engine.truncate(min(self.engine.length, valid - self.off))
 
 
 class NgramDrafter:

@@ -153,7 +153,7 @@ class Pair:
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
                  stop: str | tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-                 on_text: Callable[[str], None] | None = None, cancel=None) -> Result:
+                 on_text: Callable[[str], None] | None = None, cancel=None, draft_window: int | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
         temperature 0 is greedy; draft_len 0 is plain target-only decoding through the same engine,
@@ -167,15 +167,19 @@ class Pair:
         `on_text` receives the text as it is produced (stop strings never reach it), in this thread.
         `cancel`: a threading.Event, or a callable returning True, checked once per round (one target
         pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
+        `draft_window`: the most tokens the draft model reads in one catch-up pass (the prompt, what
+        n-gram rounds emitted); further behind, it reads only the last ones (0: no limit). Default:
+        32 on the CPU, no limit on a GPU (runtime.drafters.default_window).
         """
         cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
-                          drafter=drafter, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+                          drafter=drafter, draft_window=draft_window,
+                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
         return self.run(self.encode(prompt, chat), cfg, on_text, cancel)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
                stop: str | tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-               cancel=None) -> Stream:
+               cancel=None, draft_window: int | None = None) -> Stream:
         """Like `generate`, but return an iterator of text chunks as they are produced.
 
             with pair.stream("def fib(n):", max_new_tokens=64) as s:
@@ -190,7 +194,8 @@ class Pair:
         The Pair is busy until the stream is exhausted or closed.
         """
         cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
-                          drafter=drafter, sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+                          drafter=drafter, draft_window=draft_window,
+                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
         ids = self.encode(prompt, chat)
         fn = _cancel_fn(cancel)
         self._check_open()
@@ -201,12 +206,13 @@ class Pair:
     def default_drafter(self) -> str:
         return self.tuned.get("drafter") or ("model" if self.draft is not None else "ngram")
 
-    def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
+    def config(self, draft_len=None, drafter=None, confidence_stop=None, draft_window=None, **kw) -> GenerationConfig:
         """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
         return GenerationConfig(
             draft_len=self.tuned.get("draft_len", "auto") if draft_len is None else draft_len,
             drafter=drafter or self.default_drafter,
             confidence_stop=self.tuned.get("confidence_stop", 0.0) if confidence_stop is None else confidence_stop,
+            draft_window=draft_window,
             **kw)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -322,13 +328,14 @@ class Pair:
         return self.last_result
 
     def _drafter(self, cfg: GenerationConfig):
-        from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+        from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, default_window
 
         if cfg.draft_len == 0:
             return None
         if cfg.drafter == "ngram":
             return NgramDrafter(cfg.ngram_max)
-        model = ModelDrafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory)
+        window = default_window(self.device) if cfg.draft_window is None else cfg.draft_window
+        model = ModelDrafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, window or None)
         return model if cfg.drafter == "model" else HybridDrafter(model, NgramDrafter(cfg.ngram_max))
 
     def close(self) -> None:
