@@ -6,8 +6,8 @@ k * c_draft + c_target(k+1) (Leviathan et al. 2023, with measured rather than mo
 The controller picks the k that maximises E(k) / cost(k); k = 0 is plain decoding. When k = 0
 wins, it still probes with one draft token now and then, so it can resume drafting once the numbers
 say it pays. A probe's cost is mostly the draft model's catch-up: it reads every token it skipped in
-one pass (measured here: ~2.3 ms a token for the int4 0.5B draft, ~7% of a target step, so a probe
-after 60 plain rounds costs ~4% of them). So a probe waits until the plain rounds since the last one
+one pass, up to its window (measured here: ~2.3 ms a token for the int4 0.5B draft, ~7% of a target
+step, so a probe after 60 plain rounds costs ~4% of them without a window). So a probe waits until the plain rounds since the last one
 are worth `probe_budget` of the probe's cost *now* (draft step + catch-up over the tokens the draft is
 behind + a wider verify): within a long request that seldom happens, at the start of the next
 request (behind = its prompt) it does, which is where probes then land; a probe is also due when what it
