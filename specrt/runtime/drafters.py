@@ -85,8 +85,11 @@ class ModelDrafter:
 
     def behind(self, seq: list[int]) -> int:
         """Tokens its next pass reads first: what it has not read of `seq`, at most `window`."""
-        n = len(seq) - self.off - self.engine.length
+        n = self._unread(seq)
         return n if self.window is None else min(n, self.window)
+
+    def _unread(self, seq: list[int]) -> int:
+        return len(seq) - self.off - self.engine.length
 
     def start(self, prompt: list[int]) -> None:
         # No prefill here: the first propose feeds the prompt (a catch-up pass), so a request in which
@@ -107,7 +110,7 @@ class ModelDrafter:
         """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
-        if self.window is not None and len(seq) - self.off - self.engine.length > self.window:
+        if self.window is not None and self._unread(seq) > self.window:
             self.off = len(seq) - self.window  # start over from the last `window` tokens
             self.engine.truncate(0)
         inp = seq[self.off + self.engine.length:]  # whatever the draft has not seen, x_last included

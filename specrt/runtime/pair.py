@@ -213,13 +213,12 @@ class Pair:
     def default_drafter(self) -> str:
         return self.tuned.get("drafter") or ("model" if self.draft is not None else "ngram")
 
-    def config(self, draft_len=None, drafter=None, confidence_stop=None, draft_window=None, **kw) -> GenerationConfig:
+    def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
         """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
         return GenerationConfig(
             draft_len=self.tuned.get("draft_len", "auto") if draft_len is None else draft_len,
             drafter=drafter or self.default_drafter,
             confidence_stop=self.tuned.get("confidence_stop", 0.0) if confidence_stop is None else confidence_stop,
-            draft_window=draft_window,
             **kw)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
