@@ -10,8 +10,11 @@ and mean over all requests.
 Wall time on this 2-core machine spreads +-10-20% per request with identical work, which hides the
 few-percent differences the A/Bs look for. So each request is also *priced*: every engine pass is
 logged (model, tokens read) and charged what that pass costs in a table measured once at the start
-(median of 5 at each width, widths interleaved; a cache of 256 tokens for widths <= 16, an empty one above,
-linear in between). A priced ratio depends only on the passes a variant chose, not on the machine's
+(median of 15 at each width, widths interleaved; a cache of 256 tokens for widths <= 16, an empty one above,
+linear in between). Each pass is timed as a drafting round meets it: a target pass right after two draft
+steps, a draft pass right after a target pass (bench/live_costs.py: passes in drafting rounds cost 3-10%
+more than the same pass repeated alone, which tables before the ninth sitting measured; such a table has
+no "pattern" entry). A priced ratio depends only on the passes a variant chose, not on the machine's
 mood while it ran them; it leaves out the loop's own Python time (bench/loop_overhead.py: well
 under 1 ms a round) and how attention grows with the context.
 With --frozen the variants also *plan* with that table (a cost model that ignores what it sees), so
@@ -34,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import specrt
-from specrt.runtime.adaptive import CostModel
+from specrt.runtime.adaptive import Calibration, CostModel
 from specrt.runtime.bench import read_prompts
 
 
@@ -76,32 +79,45 @@ class Meter:
     """Logs each pass of the pair's engines and prices it from a table of measured pass times."""
 
     WIDTHS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 32, 64, 128, 256, 512]
+    REPEATS = 15  # 5 in tables without a "pattern" entry
 
     def __init__(self, pair, table: Path | None = None):
         """`table`: a JSON file with the prices to use (written there when it does not exist yet)."""
         self.log = []
         self.table = json.loads(table.read_text()) if table and table.exists() else {}
+        other = {"target": pair.draft, "draft": pair.target}
         for name in ("target", "draft"):
             engine = getattr(pair, name)
             if engine is not None:
                 if name not in self.table:
-                    self.table[name] = self._measure(engine)
+                    # a verify follows two draft steps; a draft step follows a verify of k = 2
+                    self.table[name] = self._measure(engine, other[name], [1, 1] if name == "target" else [3])
+                    self.table["pattern"] = "drafting"
                 engine.forward = self._wrap(engine.forward, name)
         if table and not table.exists():
             table.write_text(json.dumps(self.table))
 
     @classmethod
-    def _measure(cls, engine) -> list[float]:
+    def _measure(cls, engine, other, before: list[int]) -> list[float]:
+        """Pass times of `engine` by width, each right after passes of `other` (None: alone) of the
+        widths in `before`."""
         runs = {w: [] for w in cls.WIDTHS}
-        for _ in range(5):  # widths interleaved, so a drift of the machine's speed moves them all alike
-            engine.truncate(0)
-            engine.forward(np.zeros((1, 256), np.int64), np.array([255]))  # the context of the steps
+        for e in (engine, other) if other is not None else (engine,):
+            e.truncate(0)
+            e.forward(np.zeros((1, 256), np.int64), np.array([255]))  # the context of the steps
+        for _ in range(cls.REPEATS):  # widths interleaved, so a drift of the machine's speed moves them all alike
             for w in cls.WIDTHS:
                 engine.truncate(256 if w <= 16 else 0)
+                if other is not None:
+                    other.truncate(256)
+                    for b in before:
+                        other.forward(np.zeros((1, b), np.int64), np.arange(b))
                 t0 = time.perf_counter()
                 engine.forward(np.zeros((1, w), np.int64), np.array([w - 1]))
                 runs[w].append(time.perf_counter() - t0)
-        engine.truncate(0)
+        for e in (engine, other):
+            if e is not None:
+                e.truncate(0)
         return [statistics.median(runs[w]) for w in cls.WIDTHS]
 
     def _wrap(self, forward, name):
@@ -143,14 +159,15 @@ def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
     plist = read_prompts([Path(f) for f in files], pair, int(opts["limit"]) if "limit" in opts else None)
     meter = Meter(pair, Path(opts["table"]) if "table" in opts else None)
     print("priced pass times (ms) by width", {n: dict(zip(Meter.WIDTHS, (round(x * 1e3, 2) for x in t)))
-                                               for n, t in meter.table.items()}, flush=True)
-    state = {v: ({}, {}, meter.costs() if frozen else copy.deepcopy(pair.costs)) for v in variants}
+                                               for n, t in meter.table.items() if n != "pattern"},
+          "measured", meter.table.get("pattern", "alone"), flush=True)
+    state = {v: ({}, {}, meter.costs() if frozen else copy.deepcopy(pair.costs), Calibration()) for v in variants}
     res = {v: {} for v in variants}
 
     def run(v, p, n):
         k, drafter, setup, *kw = variants[v]
         setup()
-        pair.acceptance, pair.probes, pair.costs = state[v]
+        pair.acceptance, pair.probes, pair.costs, pair.calibration = state[v]
         pair.draft_memory.forget()
         meter.take()
         stats = pair.run(p.ids, pair.config(max_new_tokens=n, draft_len=k, drafter=drafter, **(kw[0] if kw else {}))).stats

@@ -11,7 +11,7 @@ from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joi
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.adaptive import AutoDraftLen, CostModel
+from specrt.runtime.adaptive import AutoDraftLen, Calibration, CostModel
 from specrt.runtime.decode import decode
 from specrt.runtime.drafters import ModelDrafter
 
@@ -127,6 +127,16 @@ def test_cost_model_interpolates():
     assert c.target(1) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
 
 
+def test_a_narrow_pass_is_never_priced_above_a_wider_one():
+    """A slow spike in the one-token cost (60 ms against 38 ms measured at width 2) would make a draft
+    that is never accepted look cheaper than plain decoding (10 + 38 < 60 ms a token), and auto, no
+    longer decoding plainly, would not measure width 1 again: it drafted a whole request of a
+    mismatched draft at 0.71x (bench/RESULTS.md, tenth sitting)."""
+    costs = FrozenCosts(draft_s=0.010, target_s={1: 0.060, 2: 0.038, 3: 0.047})
+    assert costs.target(1) == 0.038 and costs.target(2) == 0.038 and costs.target(3) == 0.047
+    assert AutoDraftLen(8, costs, accept=[0.0] * 8).best(8)[0] == 0
+
+
 @pytest.mark.parametrize("kw,match", [(dict(draft_len="fast"), "draft_len"), (dict(draft_len=2.5), "draft_len"),
                                       (dict(confidence_stop=1.0), "confidence_stop"),
                                       (dict(confidence_stop=-0.1), "confidence_stop")])
@@ -181,6 +191,7 @@ def test_the_next_request_starts_from_a_running_mean_of_what_requests_learned(qw
     (Pair.prior_weight): one request of a different kind (chat after code) does not reset it."""
     monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.9] * 8})
     monkeypatch.setattr(qwen_pair, "probes", {})
+    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
     monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=0.05, target_s={1: 1.0, 9: 1.0}))  # drafting pays
     res = qwen_pair.generate([7, 8, 9, 10, 11], max_new_tokens=24, draft_len="auto", drafter="model")
     qwen_pair.draft_memory.forget()
@@ -224,6 +235,7 @@ def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypat
     monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=draft_s, target_s={1: 1.0, 9: 1.0}))
     monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.99] * 8, "ngram": [0.3] * 8})
     monkeypatch.setattr(qwen_pair, "probes", {})
+    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
     qwen_pair.draft_memory.forget()  # what earlier tests left in the draft's cache must not steer this one
     res = qwen_pair.generate(prompt, max_new_tokens=40, draft_len="auto", drafter="hybrid")
     assert res.tokens == base
@@ -238,6 +250,7 @@ def test_probe_schedule_carries_to_the_next_request(qwen_pair, monkeypatch):
     monkeypatch.setattr(qwen_pair, "costs", dear_drafts())
     monkeypatch.setattr(qwen_pair, "acceptance", {})
     monkeypatch.setattr(qwen_pair, "probes", {})
+    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
     monkeypatch.setattr(AutoDraftLen, "probe_cost", lambda self, behind: 0.0)  # the schedule alone
     first = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
     assert first["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 32  # one probe at round 16
@@ -252,6 +265,7 @@ def test_first_request_of_an_untuned_pair_adapts(qwen_pair, monkeypatch):
     monkeypatch.setattr(qwen_pair, "costs", CostModel())
     monkeypatch.setattr(qwen_pair, "acceptance", {})
     monkeypatch.setattr(qwen_pair, "probes", {})
+    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
     res = qwen_pair.generate(list(range(3, 40)), max_new_tokens=96, draft_len="auto", drafter="model")
     hist = res.stats["draft_len_hist"]
     assert sum(v for k, v in hist.items() if k != 2) > 2, hist  # more than the last round or two
@@ -280,6 +294,7 @@ def test_probe_is_priced_by_how_far_the_draft_is_behind(qwen_pair, monkeypatch):
     monkeypatch.setattr(qwen_pair, "costs", CostModel(draft_s=10.0, target_s={1: 1.0, 9: 5.0}))
     monkeypatch.setattr(qwen_pair, "acceptance", {})
     monkeypatch.setattr(qwen_pair, "probes", {})
+    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
     seen = []
     due = AutoDraftLen.probe_due
 
@@ -336,14 +351,14 @@ def test_cli_draft_len_auto(qwen_dir):
 # ---------------------------------------------------------------- sampling: lossless (fake engines)
 
 
-def _joint3(drafter, costs, cfg, k, n=4000, confidence_stop=0.0):
+def _joint3(drafter, costs, cfg, k, n=4000, confidence_stop=0.0, calibration=None):
     V, prompt = 5, [1, 2]
     target = drafter.target
     obs = np.zeros(V ** 3)
     proposed = rounds = 0
     for seed in range(n):
         g = GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed, sampling=cfg, confidence_stop=confidence_stop)
-        out, _, st = decode(target, drafter.model, prompt, g, V, frozenset(), None, costs, 4)
+        out, _, st = decode(target, drafter.model, prompt, g, V, frozenset(), None, costs, 4, calibration=calibration)
         assert len(out) == 4
         obs[sequence_index(out[:3], V)] += 1
         proposed, rounds = proposed + st.proposed, rounds + st.rounds
@@ -357,10 +372,15 @@ class _Drafter:
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 3, 0.9)])
-def test_auto_sampling_is_lossless(temperature, top_k, top_p):
+def test_auto_sampling_is_lossless(temperature, top_k, top_p, monkeypatch):
     costs = FrozenCosts(draft_s=0.3, target_s={1: 1.0, 5: 1.2})
-    obs, exact, proposed, rounds = _joint3(_Drafter(), costs, SamplingConfig(temperature, top_k, top_p), "auto")
+    follow, followed = AutoDraftLen.follow, []
+    monkeypatch.setattr(AutoDraftLen, "follow", lambda self, p: followed.append(p) or follow(self, p))
+    calibration = Calibration()  # carried from request to request, as a Pair does: plain rounds follow it
+    obs, exact, proposed, rounds = _joint3(_Drafter(), costs, SamplingConfig(temperature, top_k, top_p), "auto",
+                                           calibration=calibration)
     assert 0 < proposed < 3 * rounds  # the controller both drafted and held back
+    assert len(followed) > 100  # and plain rounds followed the target's confidence
     p = chi2_pvalue(obs, exact)
     assert p > P_MIN, f"p={p:.2e}"
 
@@ -410,6 +430,27 @@ def test_a_probe_is_due_when_it_is_worth_its_cost():
     assert first_probe(0.37, 200) == 1
     assert first_probe(0.05, 200) == 0 and first_probe(0.37, 20) == 0
     assert AutoDraftLen(8, costs, accept=[0.37] * 8).probe_value(8, 0) == 0.0
+
+
+def test_calibration_learns_acceptance_by_the_targets_confidence():
+    """The draft's first-token acceptance per bin of the target's top probability: a bin predicts once
+    it has seen 4 rounds' worth (older rounds count a little less), and old rounds fade."""
+    c = Calibration()
+    for _ in range(3):
+        c.observe(0.995, True)
+    assert c.predict(0.999) is None  # three rounds: too few
+    c.observe(0.999, True)
+    c.observe(0.999, False)
+    assert c.predict(0.9999) == pytest.approx(0.8, abs=0.01) and c.predict(0.3) is None  # one bin, not another
+    for _ in range(1000):
+        c.observe(0.3, False)
+    assert c.predict(0.3) == 0.0 and c.predict(0.999) is None  # 1000 rounds later the first four have faded
+
+
+def test_a_plain_round_moves_the_first_positions_estimate_to_the_prediction():
+    auto = AutoDraftLen(8, dear_drafts(), accept=[0.2] * 8)
+    auto.follow(0.9)
+    assert auto.accept[0] == pytest.approx(0.2 + 0.7 * 0.15) and auto.accept[1:] == [0.2] * 7
 
 
 class _Cycle:
@@ -480,3 +521,40 @@ def test_a_draft_that_must_read_the_prompt_first_drafts_only_if_that_pays():
 
     assert k(200, 100) > 0 and k(200, 20) == 0 and k(200, 100, share=0.25) == 0 and k(200, 100, share=0.75) > 0
     assert k(2, 20) > 0 and k(2, 5, share=0.25) > 0
+
+
+class _Wrong(_Cycle):
+    """A draft that always proposes the token after the one the target will pick."""
+
+    def forward(self, tokens, logit_positions):
+        return np.roll(super().forward(tokens, logit_positions), 1, axis=-1)
+
+
+@pytest.mark.parametrize("draft,agrees", [(_Cycle, True), (_Wrong, False)])
+def test_plain_rounds_follow_the_targets_confidence(draft, agrees):
+    """An estimate that says "never draft" (0.0) sits out whole requests while probes wait. With a
+    calibration that has seen this draft accepted wherever the target is this sure, plain rounds move
+    the estimate up and drafting resumes after a round or two; with one that has seen it rejected,
+    plain rounds keep it off. Either way the output is the target's own."""
+    V = 16
+    cfg = GenerationConfig(max_new_tokens=40, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
+    costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.2}, draft_read_s=0.01)
+    top = float(np.exp(10.0) / (np.exp(10.0) + V - 1))  # the fake target's confidence at every position
+
+    def run(calibration):
+        return decode(_Cycle(V), ModelDrafter(draft(V), V), [3, 4, 5], cfg, V, frozenset(), costs=costs,
+                      prior={"model": [0.0] * 8}, probes={}, calibration=calibration)
+
+    learned = Calibration()
+    for _ in range(8):
+        learned.observe(top, agrees)
+    for calibration in (None, Calibration(), learned):
+        out, _, stats = run(calibration)
+        assert out == [3 + (t - 3) % 10 for t in range(6, 46)]
+        plain = stats.draft_len_hist.get(0, 0)
+        if calibration is learned and agrees:
+            assert plain <= 2 and stats.accepted >= 20, stats.draft_len_hist  # half the tokens came from drafts
+        elif agrees:  # nothing learned yet: plain until a probe (~20 rounds here) finds the draft right
+            assert plain >= 15, stats.draft_len_hist
+        else:
+            assert plain >= stats.rounds - 2, stats.draft_len_hist

@@ -21,6 +21,7 @@ to measure it again.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -51,7 +52,15 @@ class CostModel:
         self.target_s[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def target(self, width: int) -> float | None:
-        """Measured cost at `width`, else interpolated/extrapolated linearly from measured widths."""
+        """Measured cost at `width`, else interpolated/extrapolated linearly from measured widths; never
+        above what a wider pass measured. A narrower pass is not dearer, and a width auto stops using
+        is not measured again: a slow spike left in the one-token cost would make drafting look
+        cheaper than plain decoding whatever the acceptance, and so keep it drafting."""
+        wider = [s for w, s in self.target_s.items() if w > width]
+        raw = self._target(width)
+        return min([raw, *wider]) if raw is not None else None
+
+    def _target(self, width: int) -> float | None:
         if width in self.target_s:
             return self.target_s[width]
         known = sorted(self.target_s)
@@ -68,6 +77,35 @@ class CostModel:
             edge = b if hi is None else a
             return max(self.target_s[edge] + slope * (width - edge), 0.0)
         return self.target_s[known[0]] * (1 + 0.1 * (width - known[0]))  # prior: a wider pass costs a bit more
+
+
+@dataclass
+class Calibration:
+    """How often the draft model's first token is accepted, by how sure the target is of its own token
+    there (its top probability, in bins at `EDGES`), learned from the rounds the draft model drafts.
+    In a plain round the target's logits are at hand, so this predicts for free what a draft would
+    have been accepted there, and the estimate keeps following the text instead of sitting on what
+    the last probe saw (measured on the int4 pair at k = 2: accepted 0.31 below 0.5, 0.91 above 0.99;
+    mean top probability 0.66 on chat, 0.91 on code, 0.94 on edits). Older rounds fade (`keep`)."""
+
+    EDGES = (0.5, 0.8, 0.95, 0.99)
+    hits: list[float] = field(default_factory=lambda: [0.0] * 5)
+    seen: list[float] = field(default_factory=lambda: [0.0] * 5)
+    keep: float = 0.995  # per drafting round: a round 140 rounds back counts half
+    min_seen: float = 4.0  # a bin predicts once it holds this many rounds' worth
+
+    def observe(self, top: float, accepted: bool) -> None:
+        b = bisect.bisect_right(self.EDGES, top)
+        self.hits = [h * self.keep for h in self.hits]
+        self.seen = [n * self.keep for n in self.seen]
+        self.hits[b] += float(accepted)
+        self.seen[b] += 1.0
+
+    def predict(self, top: float) -> float | None:
+        """P(first draft token accepted) where the target's top probability is `top`; None while its bin
+        has seen too little."""
+        b = bisect.bisect_right(self.EDGES, top)
+        return self.hits[b] / self.seen[b] if self.seen[b] >= self.min_seen else None
 
 
 @dataclass
@@ -226,6 +264,12 @@ class AutoDraftLen:
                 self._since_widen = 0
                 return best_k + 1
         return best_k
+
+    def follow(self, predicted: float) -> None:
+        """A plain round's prediction of the first position's acceptance (`Calibration.predict`): it moves
+        that estimate as an observation would, so a text that turns predictable restarts drafting
+        without waiting for a probe, and one that does not keeps it off."""
+        self.accept[0] += (predicted - self.accept[0]) * (1.0 - self.decay)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Update conditional acceptance: positions 1..accepted were accepted, accepted+1 (if proposed) was

@@ -16,7 +16,7 @@ import numpy as np
 from specrt.config import GenerationConfig
 from specrt.engines.base import Engine
 from specrt.runtime import sampling
-from specrt.runtime.adaptive import AutoDraftLen, CostModel
+from specrt.runtime.adaptive import AutoDraftLen, Calibration, CostModel
 from specrt.runtime.drafters import ModelDrafter
 
 
@@ -57,7 +57,8 @@ class Stats:
 def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
            costs: CostModel | None = None, max_draft_len: int = 8, prior: dict[str, list[float]] | None = None,
-           probes: dict[str, tuple[int, int]] | None = None) -> tuple[list[int], str, Stats]:
+           probes: dict[str, tuple[int, int]] | None = None,
+           calibration: Calibration | None = None) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
     `drafter` is a runtime.drafters drafter (or a bare draft Engine, or None for target-only).
@@ -71,7 +72,8 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
     of its family not seen yet.
     `probes` (updated in place) carries each controller's probe schedule across requests, so a draft
     that stopped paying is not re-probed (and its cache caught up, which costs about a prefill) at the
-    start of every request.
+    start of every request. `calibration` (updated in place, carried likewise) relates the draft
+    model's acceptance to the target's confidence; in plain rounds auto follows what it predicts.
     """
     if drafter is not None and not hasattr(drafter, "propose"):
         drafter = ModelDrafter(drafter, vocab)
@@ -101,6 +103,9 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
                 autos[kind].probe_state = probes[kind]
         return autos[kind]
 
+    # The draft model's controller follows the target's confidence through plain rounds (Calibration).
+    model = drafter if drafter is not None and drafter.name == "model" else getattr(drafter, "model", None)
+    calib = (calibration if calibration is not None else Calibration()) if adaptive and model is not None else None
     k = (max_draft_len if adaptive else cfg.draft_len) if drafter is not None else 0
     greedy, rng = cfg.sampling.greedy, np.random.default_rng(cfg.seed)
     stats = Stats(draft_len="auto" if adaptive else k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt))
@@ -211,6 +216,14 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             scored.observe(m if m == len(new) else min(len(shadow), m + 1), m)
         if auto and auto is not scored:  # then what it saw
             auto.observe(k_now, n)
+        if calib is not None and (k_now == 0 or src is model) and model.kind in autos:
+            # How sure the target was of its token at the first position: learned against what a model
+            # draft there got (accepted or not); in a plain round, what that predicts steers the estimate.
+            top = sampling.top_prob(logits[0])
+            if k_now:
+                calib.observe(top, n > 0)
+            elif (predicted := calib.predict(top)) is not None:
+                autos[model.kind].follow(predicted)
 
         # 4. Commit: keep the verified slots; rejected ones are dropped by moving the length back.
         target.truncate(base + 1 + n)

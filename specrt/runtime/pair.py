@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
-from specrt.runtime.adaptive import CostModel
+from specrt.runtime.adaptive import Calibration, CostModel
 from specrt.runtime.drafters import DraftMemory
 from specrt.errors import ConfigError, PairError
 
@@ -146,6 +146,7 @@ class Pair:
         # auto's prior: conditional acceptance per draft position, carried from request to request
         self.acceptance: dict[str, list[float]] = {}  # per drafter kind ("model", "ngram")
         self.probes: dict[str, tuple[int, int]] = {}  # auto's probe schedule per kind, carried likewise
+        self.calibration = Calibration()  # the draft's acceptance by the target's confidence, likewise
         if self.tuned.get("acceptance"):
             kind = "ngram" if self.tuned.get("drafter") == "ngram" else "model"
             self.acceptance[kind] = list(self.tuned["acceptance"])
@@ -320,7 +321,7 @@ class Pair:
 
         tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
-                                       self.acceptance, self.probes)
+                                       self.acceptance, self.probes, self.calibration)
         for kind, est in stats.acceptance_estimate.items():  # the next request starts from what earlier ones learned
             old = self.acceptance.get(kind)
             w = self.prior_weight if old is not None and len(old) == len(est) else 1.0

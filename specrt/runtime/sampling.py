@@ -38,6 +38,11 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     return p
 
 
+def top_prob(logits: np.ndarray) -> float:
+    """The largest probability of softmax(logits [V]): how sure the model is of its likeliest token."""
+    return float(1.0 / np.exp(logits - logits.max()).sum())
+
+
 def draw(dist: np.ndarray, u: float) -> int:
     """Inverse-CDF draw from a (possibly unnormalised) distribution [V] with one uniform u in [0, 1)."""
     cdf = np.cumsum(dist)
