@@ -17,7 +17,9 @@ restart drafting also doubles the wait before the next (`probe_every` rounds up 
 `max_probe_every`, after which a probe is due whatever it costs), so a draft that never pays costs
 less and less. Likewise, positions past the chosen k are never observed, so a pessimistic estimate
 there would stick: every `widen_every` rounds the controller drafts one token more than it would,
-to measure it again.
+to measure it again. A plain round also tells something without a probe: the target's confidence
+there predicts whether a model draft would have been accepted (`Calibration`, learned from the
+rounds that drafted), and the first position's estimate follows that prediction (`follow`).
 """
 from __future__ import annotations
 
