@@ -12,9 +12,9 @@ few-percent differences the A/Bs look for. So each request is also *priced*: eve
 logged (model, tokens read) and charged what that pass costs in a table measured once at the start
 (median of 15 at each width, widths interleaved; a cache of 256 tokens for widths <= 16, an empty one above,
 linear in between). Each pass is timed as a drafting round meets it: a target pass right after two draft
-steps, a draft pass right after a target pass (bench/live_costs.py: passes in drafting rounds cost 3-10%
-more than the same pass repeated alone, which tables before the ninth sitting measured; such a table has
-no "pattern" entry). A priced ratio depends only on the passes a variant chose, not on the machine's
+steps, a draft pass right after a target pass (tables before the tenth sitting timed each pass repeated
+alone and have no "pattern" entry; the two ways agree within the machine's run-to-run spread, so the
+3-10% that bench/live_costs.py saw drafting rounds' passes cost above the table is not the alternation). A priced ratio depends only on the passes a variant chose, not on the machine's
 mood while it ran them; it leaves out the loop's own Python time (bench/loop_overhead.py: well
 under 1 ms a round) and how attention grows with the context.
 With --frozen the variants also *plan* with that table (a cost model that ignores what it sees), so
