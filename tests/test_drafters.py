@@ -165,6 +165,59 @@ def test_a_windowed_draft_cache_holds_the_sequence_from_its_offset():
     assert (model.off, eng.length) == (0, 0)
 
 
+def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
+    """`skip`: once the draft's cache holds part of the request, a catch-up reads only the last `skip`
+    tokens it missed; the slots before them are kept (a gap), the offset moves past the skipped ones,
+    and the draft cache is no longer offered to the next request (it is not a prefix of the sequence)."""
+    from specrt.runtime.drafters import DraftMemory
+
+    V, memory = 6, DraftMemory()
+    eng = FakeEngine(1, V, max_len=64)
+    model = ModelDrafter(eng, V, memory=memory, window=16)
+    model.skip = 3
+    seq = [1, 2, 3, 4, 5, 1, 2]
+    model.start(seq)
+    assert model.behind(seq) == 7  # a fresh cache: the whole prompt (within the window)
+    cfg, rng = SamplingConfig(), np.random.default_rng(0)
+    d, _, _ = model.propose(seq, 2, cfg, rng)
+    model.commit(len(seq))  # both drafts rejected: the slots of the 7 prompt tokens stay
+    assert eng.length == 7 and model.off == 0
+    seq = seq + [3, 4, 5, 0, 1, 2, 3, 4]  # emitted without the model (n-gram rounds): 8 tokens unread
+    assert model._unread(seq) == 8 and model.behind(seq) == 3
+    kept = list(eng.cache[:7])
+    d, _, _ = model.propose(seq, 1, cfg, rng)
+    assert list(eng.cache[:7]) == kept and list(eng.cache[7:10]) == seq[-3:]  # the gap: 5 tokens skipped
+    assert model.off == 5 and model._unread(seq) == 0
+    model.commit(len(seq) + 1)  # its draft accepted
+    assert eng.length == 10 and model.behind(seq + [int(d[0]), 2]) == 2
+    assert model.memory is None and memory.seq == []  # the next request starts from an empty draft cache
+
+
+def test_hybrid_skips_only_with_a_windowed_draft(qwen_pair):
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid")).model.skip == 8  # CPU: window 32
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=5)).model.skip == 5
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=0)).model.skip is None
+    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="model")).skip is None
+
+
+def test_a_skipping_hybrid_is_greedy_exact(qwen_pair, monkeypatch):
+    """hybrid's model catching up on the last token only: drafts differ, the output does not."""
+    gaps = []
+    propose = ModelDrafter.propose
+
+    def counted(self, seq, *a, **kw):
+        gaps.append(self.engine.length > 0 and self._unread(seq) > self.skip)
+        return propose(self, seq, *a, **kw)
+
+    monkeypatch.setattr(ModelDrafter, "propose", counted)
+    monkeypatch.setattr(HybridDrafter, "skip", 1)
+    for prompt in REPETITIVE[:2]:
+        base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0)
+        for k in (3, "auto"):
+            assert qwen_pair.generate(prompt, max_new_tokens=48, draft_len=k, drafter="hybrid").tokens == base.tokens
+    assert any(gaps)
+
+
 def test_ngram_drafter_accepts_on_repetition(same_pair):
     """A prompt that repeats: prompt lookup proposes the continuation and the target accepts some of it."""
     prompt = list(range(3, 30)) * 3
@@ -202,6 +255,20 @@ def test_hybrid_drafter_is_lossless(temperature, top_k, top_p, k):
         return HybridDrafter(ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V), NgramDrafter(2))
 
     _lossless(make, temperature, top_k, top_p, k)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])
+def test_a_skipping_hybrid_is_lossless(temperature, top_k, top_p, k):
+    made = []
+
+    def make(target, V):  # its model reads 1 token of whatever n-gram rounds emitted
+        model = ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V, window=4)
+        model.skip = 1
+        made.append(HybridDrafter(model, NgramDrafter(2)))
+        return made[-1]
+
+    _lossless(make, temperature, top_k, top_p, k)
+    assert made[0].model.off > 0  # it did skip
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])

@@ -103,6 +103,11 @@ class Calibration:
         self.hits[b] += float(accepted)
         self.seen[b] += 1.0
 
+    @property
+    def ready(self) -> bool:
+        """Whether some bin predicts yet (until then a plain round need not compute the top probability)."""
+        return max(self.seen) >= self.min_seen
+
     def predict(self, top: float) -> float | None:
         """P(first draft token accepted) where the target's top probability is `top`; None while its bin
         has seen too little."""

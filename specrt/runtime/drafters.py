@@ -69,9 +69,13 @@ class ModelDrafter:
     `window`: the most tokens one catch-up pass reads (None: no limit). A draft further behind (the
     prompt, at the start of a request; what n-gram rounds or plain rounds emitted) starts over from
     the last `window` tokens: it drafts with less context, which may cost acceptance, never
-    correctness, and a catch-up never costs more than reading `window` tokens."""
+    correctness, and a catch-up never costs more than reading `window` tokens. `skip` (set by
+    HybridDrafter): once the cache holds part of the request, a catch-up reads only the last `skip`
+    tokens it missed and keeps the slots before them; slot j then holds seq[off + j] only from the
+    last gap on, and the memory is dropped (the slots are no longer a prefix of the sequence)."""
 
     name = kind = "model"
+    skip: int | None = None  # a catch-up in the middle of a request reads at most this many tokens (None: all)
 
     def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None,
                  window: int | None = None):
@@ -84,8 +88,11 @@ class ModelDrafter:
         return self
 
     def behind(self, seq: list[int]) -> int:
-        """Tokens its next pass reads first: what it has not read of `seq`, at most `window`."""
+        """Tokens its next pass reads first: what it has not read of `seq`, at most `window` (at most
+        `skip` once its cache holds some of the request)."""
         n = self._unread(seq)
+        if self.skip is not None and self.engine.length:
+            n = min(n, self.skip)
         return n if self.window is None else min(n, self.window)
 
     def _unread(self, seq: list[int]) -> int:
@@ -110,7 +117,16 @@ class ModelDrafter:
         """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
-        if self.window is not None and self._unread(seq) > self.window:
+        if self.skip is not None and self.engine.length and self._unread(seq) > self.skip:
+            # Read only the last `skip` tokens of what it missed: its cache keeps what came before, with
+            # a gap (the skipped tokens' positions go to the ones after them). The draft's view is then
+            # not the sequence, which may cost acceptance, never correctness; the draft cache no longer
+            # holds a prefix of the sequence, so the next request does not reuse it.
+            self.off = len(seq) - self.skip - self.engine.length
+            if self.memory is not None:
+                self.memory.forget()
+                self.memory = None
+        elif self.window is not None and self._unread(seq) > self.window:
             self.off = len(seq) - self.window  # start over from the last `window` tokens
             self.engine.truncate(0)
         inp = seq[self.off + self.engine.length:]  # whatever the draft has not seen, x_last included
@@ -220,11 +236,20 @@ class HybridDrafter:
     name = "hybrid"
     min_match = 2
 
+    model_kind = "hybrid-model"
+    skip = 8  # a windowed draft model's catch-up in the middle of a request reads at most this many tokens
+
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_len: int = 2):
         self.model, self.ngram, self.min_len = model, ngram, min_len
         # Here the model drafts mostly where no n-gram matched, the hard places: its acceptance (and
         # auto's state) there is not the model drafter's on its own, so it is learned under its own kind.
-        model.kind = "hybrid-model"
+        model.kind = self.model_kind
+        # The model falls behind over every n-gram round. Where a pass costs by the token it reads (a
+        # windowed draft, i.e. the CPU), catching up on a 20-30 token copy costs two target steps, more
+        # than the few model rounds before the next copy save on the edits; reading only the last
+        # `skip` tokens of it costs half a step and drafted as well (bench/RESULTS.md, eleventh sitting).
+        if model.window is not None and model.skip is None:
+            model.skip = min(self.skip, model.window)
 
     def start(self, prompt: list[int]) -> None:
         self.model.start(prompt)
