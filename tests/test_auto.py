@@ -440,8 +440,8 @@ def test_calibration_learns_acceptance_by_the_targets_confidence():
         c.observe(0.995, True)
     assert c.predict(0.999) is None and not c.ready  # three rounds: too few
     c.observe(0.999, True)
-    assert c.ready
     c.observe(0.999, False)
+    assert c.ready
     assert c.predict(0.9999) == pytest.approx(0.8, abs=0.01) and c.predict(0.3) is None  # one bin, not another
     for _ in range(1000):
         c.observe(0.3, False)
