@@ -236,19 +236,18 @@ class HybridDrafter:
     name = "hybrid"
     min_match = 2
 
-    model_kind = "hybrid-model"
     skip = 8  # a windowed draft model's catch-up in the middle of a request reads at most this many tokens
 
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_len: int = 2):
         self.model, self.ngram, self.min_len = model, ngram, min_len
         # Here the model drafts mostly where no n-gram matched, the hard places: its acceptance (and
         # auto's state) there is not the model drafter's on its own, so it is learned under its own kind.
-        model.kind = self.model_kind
+        model.kind = "hybrid-model"
         # The model falls behind over every n-gram round. Where a pass costs by the token it reads (a
         # windowed draft, i.e. the CPU), catching up on a 20-30 token copy costs two target steps, more
         # than the few model rounds before the next copy save on the edits; reading only the last
         # `skip` tokens of it costs half a step and drafted as well (bench/RESULTS.md, eleventh sitting).
-        if model.window is not None and model.skip is None:
+        if self.skip and model.window is not None and model.skip is None:
             model.skip = min(self.skip, model.window)
 
     def start(self, prompt: list[int]) -> None:
