@@ -191,6 +191,20 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
     model.commit(len(seq) + 1)  # its draft accepted
     assert eng.length == 10 and model.behind(seq + [int(d[0]), 2]) == 2
     assert model.memory is None and memory.seq == []  # the next request starts from an empty draft cache
+    # a request's first pass reads its prompt by the window rule, even past a prefix the memory kept
+    memory = DraftMemory()
+    first = ModelDrafter(eng, V, memory=memory, window=16)
+    first.skip = 3
+    first.start(seq)
+    first.propose(seq, 1, cfg, rng)
+    first.commit(len(seq))
+    model = ModelDrafter(eng, V, memory=memory, window=16)
+    model.skip = 3
+    longer = seq + [5, 4, 3, 2, 1, 0, 1, 2, 3, 4]
+    model.start(longer)
+    assert eng.length == len(seq) and model.behind(longer) == 10
+    model.propose(longer, 1, cfg, rng)
+    assert list(eng.cache[:len(longer)]) == longer and model.off == 0
 
 
 def test_hybrid_skips_only_with_a_windowed_draft(qwen_pair):

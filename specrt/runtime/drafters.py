@@ -70,7 +70,7 @@ class ModelDrafter:
     prompt, at the start of a request; what n-gram rounds or plain rounds emitted) starts over from
     the last `window` tokens: it drafts with less context, which may cost acceptance, never
     correctness, and a catch-up never costs more than reading `window` tokens. `skip` (set by
-    HybridDrafter): once the cache holds part of the request, a catch-up reads only the last `skip`
+    HybridDrafter): once it has drafted in the request, a catch-up reads only the last `skip`
     tokens it missed and keeps the slots before them; slot j then holds seq[off + j] only from the
     last gap on, and the memory is dropped (the slots are no longer a prefix of the sequence)."""
 
@@ -83,15 +83,16 @@ class ModelDrafter:
         self.off = 0  # the position in the sequence of the token the first cache slot holds
         self.catchup_s = 0.0  # time of the last propose's first pass when it caught up on > 2 tokens
         self.catchup_tokens = 0  # how many tokens that pass read
+        self.fresh = True  # not drafted yet in this request: its first pass reads the prompt (up to `window`)
 
     def pick(self, seq: list[int], k: int, judged: bool = False):
         return self
 
     def behind(self, seq: list[int]) -> int:
         """Tokens its next pass reads first: what it has not read of `seq`, at most `window` (at most
-        `skip` once its cache holds some of the request)."""
+        `skip` once it has drafted in the request)."""
         n = self._unread(seq)
-        if self.skip is not None and self.engine.length:
+        if self.skip is not None and not self.fresh:
             n = min(n, self.skip)
         return n if self.window is None else min(n, self.window)
 
@@ -101,7 +102,7 @@ class ModelDrafter:
     def start(self, prompt: list[int]) -> None:
         # No prefill here: the first propose feeds the prompt (a catch-up pass), so a request in which
         # auto never drafts never pays for the draft's prefill.
-        keep, self.off = 0, 0
+        keep, self.off, self.fresh = 0, 0, True
         if self.memory is not None:
             prev, off = self.memory.seq, self.memory.off
             # slots past len(prev) may hold rejected drafts
@@ -117,7 +118,7 @@ class ModelDrafter:
         """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
         d = np.empty(k, np.int64)
         p_draft = None if cfg.greedy else np.empty((k, self.vocab))  # [k, V]
-        if self.skip is not None and self.engine.length and self._unread(seq) > self.skip:
+        if self.skip is not None and not self.fresh and self._unread(seq) > self.skip:
             # Read only the last `skip` tokens of what it missed: its cache keeps what came before, with
             # a gap (the skipped tokens' positions go to the ones after them). The draft's view is then
             # not the sequence, which may cost acceptance, never correctness; the draft cache no longer
@@ -130,6 +131,7 @@ class ModelDrafter:
             self.off = len(seq) - self.window  # start over from the last `window` tokens
             self.engine.truncate(0)
         inp = seq[self.off + self.engine.length:]  # whatever the draft has not seen, x_last included
+        self.fresh = False
         if self.memory is not None:  # the live sequence: its committed tokens from `off` on are what the slots hold
             self.memory.seq, self.memory.off = seq, self.off
         self.catchup_s, self.catchup_tokens = 0.0, 0
@@ -236,7 +238,7 @@ class HybridDrafter:
     name = "hybrid"
     min_match = 2
 
-    skip = 8  # a windowed draft model's catch-up in the middle of a request reads at most this many tokens
+    skip = 8  # a windowed draft model's catch-up after its first draft of a request reads at most this many tokens
 
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_len: int = 2):
         self.model, self.ngram, self.min_len = model, ngram, min_len
