@@ -50,6 +50,17 @@ def test_fp32_greedy_speculative_equals_target_only(fp32_pair, rec):
 
 
 @pytest.mark.parametrize("rec", PROMPTS, ids=[r["id"] for r in PROMPTS])
+def test_fp32_greedy_auto_equals_target_only_for_the_lookup_drafters(fp32_pair, rec):
+    """n-gram and hybrid at draft_len auto (hybrid's draft model skipping what copies emitted, on the CPU)."""
+    from specrt.runtime.check import first_divergence
+
+    ids = fp32_pair.encode(rec["prompt"], chat=True)
+    for drafter in ("ngram", "hybrid"):
+        res = first_divergence(fp32_pair, ids, 64, "auto", drafter)
+        assert res["equal"], f"{drafter}: first difference at token {res['index']}, target logit margin {res['margin']}"
+
+
+@pytest.mark.parametrize("rec", PROMPTS, ids=[r["id"] for r in PROMPTS])
 def test_int4_greedy_divergence_is_numerical(int4_pair, rec):
     """int4 may part ways at a near-tie; report where, and fail only if the margin is not small."""
     from specrt.runtime.check import first_divergence

@@ -19,7 +19,7 @@ P_MIN = 1e-4  # the statistical test fails below this p-value (about 1 false ala
 MIN_EXPECTED = 5.0  # chi-square bins are merged until each expects at least this many samples
 
 
-def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: int, drafter: str | None = None) -> dict:
+def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: int | str, drafter: str | None = None) -> dict:
     """Run both greedy decodes; at the first differing token report the target's logit margin there.
 
     Returns {"equal", "index", "margin", "target_only", "speculative"}. `margin` is the target's
