@@ -75,7 +75,7 @@ class ModelDrafter:
     last gap on, and the memory is dropped (the slots are no longer a prefix of the sequence)."""
 
     name = kind = "model"
-    skip: int | None = None  # a catch-up in the middle of a request reads at most this many tokens (None: all)
+    skip: int | None = None  # after its first draft of a request, a catch-up reads at most this many tokens (None: all)
 
     def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None,
                  window: int | None = None):
