@@ -1,4 +1,4 @@
-"""In-process A/B: the draft model's catch-up in the middle of a request reads only the last `skip`
+"""In-process A/B: the draft model's catch-up after its first draft of a request reads only the last `skip`
 tokens it missed (a gap in its context) instead of all of them, up to the window. hybrid's model falls
 behind over every n-gram round; on the edits its catch-ups read up to 32 tokens (~62 ms, two target
 steps) for a stretch of a few model rounds (bench/hybrid_trace.py). hybrid_skipN: HybridDrafter.skip = N

@@ -4,7 +4,8 @@ round that emitted it (bench/ab.py's table, frozen planning: deterministic). Sum
 in the round that emitted the token (model draft, an n-gram kind, plain), the differences say which of
 hybrid's choices cost it against n-gram auto and model auto.
 Usage: python bench/hybrid_trace.py PAIR_DIR --table=FILE [--prompts=FILE,FILE] [--only=ID,ID]
-Variants run the prompts in order, each with its own carried state, as bench/ab.py's do."""
+Variants run the prompts in order, each with its own carried state, as bench/ab.py's do, but without
+ab.py's warm-up request, so a variant's numbers can differ from its ab.py run by the path its state takes."""
 import collections
 import sys
 from pathlib import Path

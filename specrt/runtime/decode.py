@@ -216,7 +216,7 @@ def decode(target: Engine, drafter, prompt: list[int], cfg: GenerationConfig, vo
             scored.observe(m if m == len(new) else min(len(shadow), m + 1), m)
         if auto and auto is not scored:  # then what it saw
             auto.observe(k_now, n)
-        if calib is not None and (k_now and src is model or k_now == 0 and calib.ready) and model.kind in autos:
+        if calib is not None and ((k_now and src is model) or (k_now == 0 and calib.ready)) and model.kind in autos:
             # How sure the target was of its token at the first position: learned against what a model
             # draft there got (accepted or not); in a plain round, what that predicts steers the estimate.
             top = sampling.top_prob(logits[0])
