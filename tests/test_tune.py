@@ -146,3 +146,17 @@ def test_bench_reads_several_prompt_files(qwen_dir, tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert res["prompts"] == 2 and [run["prompt"] for run in res["rows"][0]["runs"]] == ["gen-palindrome", "extra"]
+
+
+def test_shipped_prompt_files_read_together(qwen_dir):
+    """bench/prompts/*.jsonl, as the RESULTS commands pass them to one run: every line reads, ids are
+    unique across the files (results are keyed by id), and every class the tables report is there."""
+    from specrt.runtime.bench import read_prompts
+
+    pair = specrt.load(qwen_dir, check_memory=False)
+    files = [ROOT / "bench" / "prompts" / f for f in ("prompts.jsonl", "edits.jsonl", "more.jsonl")]
+    plist = read_prompts(files, pair)
+    ids = [p.id for p in plist]
+    assert len(ids) == len(set(ids)) == 27
+    assert {c: sum(p.kind == c for p in plist) for c in ("chat", "code", "edit")} == {"chat": 9, "code": 9, "edit": 9}
+    assert all(len(p.ids) > 10 for p in plist)
