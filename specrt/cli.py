@@ -132,20 +132,23 @@ def fetch(name, out):
 @click.option("--draft-window", type=int, default=None,
               help="The most tokens the draft model reads in one catch-up (the prompt, what n-gram rounds emitted); "
                    "further behind, it reads only the last ones (0 = no limit; default: 32 on the CPU, none on a GPU).")
+@click.option("--ngram-max", type=int, default=16, show_default=True,
+              help="Longest suffix (1..16 tokens) the prompt-lookup drafter matches (ngram, hybrid).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
 @device_option
 @_errors
 def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
-             draft_window, stop, chat, as_json):
+             draft_window, ngram_max, stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
     from specrt.config import SamplingConfig
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     with load_pair(pair_dir, device) as pair:
         cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
-                          drafter=drafter, confidence_stop=confidence_stop, draft_window=draft_window, sampling=sampling)
+                          drafter=drafter, confidence_stop=confidence_stop, draft_window=draft_window,
+                          ngram_max=ngram_max, sampling=sampling)
         ids = pair.encode(prompt, chat=chat)
         stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
         res = pair.run(ids, cfg, on_text=stream)
