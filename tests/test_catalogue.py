@@ -223,6 +223,8 @@ CLI = [
                                           "--dry-run"], "max_draft_len 8", {"progress": True}),
     ("tune-prompt-longer-than-max-len", "main", ["tune", "{qwen}", "--prompts", "{file.long}", "--dry-run"],
      "max_len is 256", {"progress": True}),
+    ("tune-model-drafter-without-draft", "main", ["tune", "{bad.target_only}", "--prompts", "{file.good}",
+                                                  "--drafters", "model", "--dry-run"], "has no draft model", {"progress": True}),
     ("tune-limit-zero", "main", ["tune", "{qwen}", "--prompts", "{file.long}", "--limit", "0", "--dry-run"], "limit", {}),
     # ---- check
     ("check-missing-pair", "check", ["{tmp}/nope"], "pair folder not found", {}),
