@@ -143,6 +143,17 @@ class Meter:
         return total
 
 
+def priced_run(pair, meter: Meter, state: tuple, ids: list[int], cfg) -> dict:
+    """One request in a variant's own carried state (acceptance, probes, costs, calibration) with a cleared
+    draft cache; its stats, with "priced_s" the priced seconds of its passes."""
+    pair.acceptance, pair.probes, pair.costs, pair.calibration = state
+    pair.draft_memory.forget()
+    meter.take()
+    stats = pair.run(ids, cfg).stats
+    stats["priced_s"] = meter.take()
+    return stats
+
+
 def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
     """Run the A/B from the command line: PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N]
     [--prompts=FILE,FILE] (default bench/prompts/prompts.jsonl) [--frozen] [--table=FILE] (prices: read from
@@ -167,12 +178,8 @@ def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
     def run(v, p, n):
         k, drafter, setup, *kw = variants[v]
         setup()
-        pair.acceptance, pair.probes, pair.costs, pair.calibration = state[v]
-        pair.draft_memory.forget()
-        meter.take()
-        stats = pair.run(p.ids, pair.config(max_new_tokens=n, draft_len=k, drafter=drafter, **(kw[0] if kw else {}))).stats
-        stats["priced_s"] = meter.take()
-        return stats
+        return priced_run(pair, meter, state[v], p.ids,
+                          pair.config(max_new_tokens=n, draft_len=k, drafter=drafter, **(kw[0] if kw else {})))
 
     for v in variants:
         run(v, plist[0], max_new_tokens // 2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import specrt
-from ab import Meter
+from ab import Meter, priced_run
 from specrt.runtime import decode as decode_mod, drafters
 from specrt.runtime.adaptive import Calibration
 from specrt.runtime.bench import read_prompts
@@ -59,11 +59,8 @@ count = collections.Counter()
 for p in plist:
     per = {}
     for v, (k, drafter) in VARIANTS.items():
-        pair.acceptance, pair.probes, pair.costs, pair.calibration = state[v]
-        pair.draft_memory.forget()
-        meter.take()
         rounds.clear()
-        pair.run(p.ids, pair.config(max_new_tokens=128, draft_len=k, drafter=drafter))
+        priced_run(pair, meter, state[v], p.ids, pair.config(max_new_tokens=128, draft_len=k, drafter=drafter))
         per[v] = list(rounds)
     if only and p.id not in only:
         continue

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import specrt
-from ab import Meter
+from ab import Meter, priced_run
 from specrt.runtime.adaptive import Calibration
 from specrt.runtime.bench import read_prompts
 
@@ -21,12 +21,9 @@ state = {v: ({}, {}, meter.costs(), Calibration()) for v in variants}
 for p in plist:
     line = []
     for v in variants:
-        pair.acceptance, pair.probes, pair.costs, pair.calibration = state[v]
-        pair.draft_memory.forget()
-        meter.take()
-        st = pair.run(p.ids, pair.config(max_new_tokens=128, draft_len="auto", drafter=v)).stats
+        st = priced_run(pair, meter, state[v], p.ids, pair.config(max_new_tokens=128, draft_len="auto", drafter=v))
         kind = "hybrid-model" if v == "hybrid" else "model"
         est = [round(x, 2) for x in pair.acceptance.get(kind, [])[:4]]
         hist = dict(sorted((int(k), n) for k, n in st["draft_len_hist"].items()))
-        line.append(f"{v} {meter.take():.3f}s k{hist} prior {est}")
+        line.append(f"{v} {st['priced_s']:.3f}s k{hist} prior {est}")
     print(f"{p.id:16s}", " | ".join(line), flush=True)
