@@ -44,10 +44,16 @@ def main():
               help="Draft model: same kinds of source as --target, same tokenizer (omit for an n-gram-only pair).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Pair folder to create.")
 @click.option("--precision", type=click.Choice(["fp32", "int4", "fp16"]), default="fp32", show_default=True,
-              help="Weights: fp32; int4 weight-only (MatMulNBits) for CPU/edge; fp16 for GPUs (standard ops, for "
-                   "onnxruntime's CUDA provider and TensorRT).")
+              help="Weights: fp32; int4 weight-only (MatMulNBits) for CPUs and edge boards; fp16 for GPUs.")
+@click.option("--activations", type=click.Choice(["fp32", "fp16"]), default=None,
+              help="Activations and KV caches (default: fp16 for --precision fp16, else fp32). fp16 runs on "
+                   "onnxruntime's CUDA provider; --precision int4 --activations fp16 is int4 for an edge GPU.")
 @click.option("--portable", is_flag=True,
-              help="Standard ONNX ops only, for a GPU (implied by fp16 and --engine tensorrt): an fp32 pair for CUDA.")
+              help="The standard-op graph TensorRT builds from (implied by --engine tensorrt) instead of the "
+                   "lean onnxruntime graph.")
+@click.option("--no-query-seqlens", "no_query_seqlens", is_flag=True,
+              help="Lean graphs for onnxruntime < 1.32 (onnxruntime-gpu 1.31, say): batched multi-token passes "
+                   "then run row by row. Default: whatever the onnxruntime exporting supports.")
 @click.option("--engine", type=click.Choice(["none", "tensorrt"]), default="none", show_default=True,
               help="tensorrt: also build TensorRT engines (prefill, verify and step profiles) on this machine's GPU.")
 @click.option("--prefill-chunk", type=int, default=256, show_default=True,
@@ -66,15 +72,16 @@ def main():
 @click.option("--draft-vocab-text", "draft_vocab_texts", type=click.Path(path_type=Path), multiple=True,
               help="Calibration text for --draft-vocab (repeatable; default: Python's standard library sources).")
 @_errors
-def export(target, draft, out, precision, portable, engine, prefill_chunk, max_draft_len, max_len, block_size, accuracy_level,
-           asymmetric, draft_vocab, draft_vocab_texts, overwrite):
+def export(target, draft, out, precision, activations, portable, no_query_seqlens, engine, prefill_chunk, max_draft_len,
+           max_len, block_size, accuracy_level, asymmetric, draft_vocab, draft_vocab_texts, overwrite):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
     from specrt.export.pair import ExportConfig, export_pair
 
     cfg = ExportConfig(target=target, draft=draft, out=out, precision=precision, max_len=max_len,
                        max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
                        symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts),
-                       portable=portable, engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite)
+                       portable=portable, engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite,
+                       activations=activations or "", query_seqlens=False if no_query_seqlens else None)
     m = export_pair(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
 

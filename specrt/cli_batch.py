@@ -81,9 +81,12 @@ def _draft_len(ctx, param, value):
 @click.option("--ray-cpus-per-actor", type=int, default=1, show_default=True,
               help="CPUs (and onnxruntime threads) per Ray actor.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto: CUDA for a pair with fp16 activations on a machine with a GPU, else the CPU "
+                   "(Ray actors run on the CPU).")
 @_errors
 def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-          drafter, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress):
+          drafter, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress, device):
     """Run a JSONL file of prompts through batched speculative decoding into a JSONL file of results.
 
     Output lines are appended atomically and fsync'ed; a killed job resumes when rerun with the same
@@ -96,7 +99,7 @@ def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, tempera
                            seed=seed, draft_len=draft_len, drafter=drafter, chat=chat)
     run_job(pair_dir, input_path, output_path, settings, batch_size=batch_size, overwrite=overwrite,
             ray_address=ray_address, ray_actors=ray_actors, ray_cpus_per_actor=ray_cpus_per_actor,
-            progress=progress)
+            progress=progress, device=device)
 
 
 if __name__ == "__main__":

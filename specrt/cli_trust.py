@@ -71,7 +71,7 @@ def pair_info(pair_dir: Path) -> dict:
             "source": e.source, "model_type": e.model_type, "precision": e.precision, "dtype": e.dtype,
             "quantization": e.quantization, "layers": e.num_layers, "kv_heads": e.num_kv_heads,
             "head_dim": e.head_dim, "logits_width": e.logits_width, "size_bytes": est.weights[role],
-            "files": sorted(e.files),
+            "files": sorted(e.files), "graph": e.graph, "kv_layout": e.kv_layout,
         }
     tuned = None
     if m.tuned:
@@ -98,16 +98,16 @@ def pair_info(pair_dir: Path) -> dict:
 
 
 def _engines(m, ort_version) -> list[dict]:
-    """What can run this pair here: onnxruntime CPU always, CUDA for a portable (fp16) pair, TensorRT engines."""
+    """What can run this pair here: onnxruntime CPU always, CUDA for a pair with fp16 activations, TensorRT engines."""
     from specrt.engines.ort import cuda_available
 
-    portable = m.portable
     why = cuda_available() if ort_version else "onnxruntime is not installed"
+    gpu = "" if m.for_gpu else ("; this pair's graphs run on the CPU only (fp32 activations, or an older specrt's "
+                                "CPU ops): export with --precision fp16 (or int4 --activations fp16) for a GPU")
     out = [{"name": "onnxruntime", "version": ort_version, "provider": "CPUExecutionProvider",
             "note": "runs every pair (--device cpu)"},
            {"name": "onnxruntime", "version": ort_version, "provider": "CUDAExecutionProvider",
-            "note": (why or "available") + ("" if portable else "; this pair's graphs are CPU-only (contrib ops): "
-                                            "export with --precision fp16 for a GPU")}]
+            "note": (why or "available") + gpu}]
     try:
         import tensorrt
 
@@ -141,6 +141,10 @@ def format_info(d: dict) -> str:
                      f"{_quant_text(e['quantization'])}")
         lines.append(f"           {e['layers']} layers, {e['kv_heads']} KV heads x head_dim {e['head_dim']}, "
                      f"logits {e['logits_width']} wide; {fmt(e['size_bytes'])} on disk")
+        graph = {"lean": "lean (fused onnxruntime ops, caches read and written in place)",
+                 "portable": "portable (standard ops, for TensorRT)",
+                 "contrib": "exported by an older specrt: re-export for the lean graph (faster, and batches)"}
+        lines.append(f"           graph {graph.get(e['graph'], e['graph'])}")
     mem = d["memory"]
     per = sum(mem["kv_bytes_per_token"].values())
     lines.append(f"memory:    about {fmt(mem['total'])} to load (estimate)")

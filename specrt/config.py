@@ -16,8 +16,9 @@ from specrt.errors import ConfigError, PairError
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "specrt-pair"
 FORMAT_VERSION = 1
-# The layout every exported graph uses for its past and new K/V tensors (DESIGN §3).
+# The layouts of the caches (DESIGN §3): the delta graphs' past and new K/V, the lean graph's past/present.
 KV_LAYOUT = "seq,batch,kv_heads,head_dim"
+LEAN_KV_LAYOUT = "batch,kv_heads,seq,head_dim"
 
 
 DRAFTERS = ("model", "ngram", "hybrid")
@@ -109,12 +110,23 @@ class ModelEntry:
     # Draft with a restricted output vocabulary: an .npy of the token ids its logits rows stand for
     # (sorted, relative to the pair folder, hashed in `files`); None = row i is token id i.
     output_ids: str | None = None
-    # Standard ONNX ops only (onnxruntime CUDA, TensorRT); False: onnxruntime contrib ops (CPU-fastest).
-    portable: bool = False
+    # Which graph (export/graph.py): "lean" (fused onnxruntime ops over per-row caches [B, Hkv, C, D]; CPU
+    # and CUDA), "portable" (standard ops, the delta contract over [C, B, Hkv, D]; what TensorRT builds
+    # from) or "contrib" (the delta contract with onnxruntime CPU ops, exported by specrt before the lean graph).
+    graph: str = "lean"
+
+    @property
+    def portable(self) -> bool:
+        return self.graph == "portable"
+
+    @property
+    def kv_layout(self) -> str:
+        return LEAN_KV_LAYOUT if self.graph == "lean" else KV_LAYOUT
 
     def kv_names(self, layer: int) -> tuple[str, str, str, str]:
-        """(past key, past value, new key, new value) tensor names of one layer."""
-        return (f"past_key.{layer}", f"past_value.{layer}", f"new_key.{layer}", f"new_value.{layer}")
+        """(past key, past value, new or present key, new or present value) tensor names of one layer."""
+        out = "present" if self.graph == "lean" else "new"
+        return (f"past_key.{layer}", f"past_value.{layer}", f"{out}_key.{layer}", f"{out}_value.{layer}")
 
 
 @dataclass(frozen=True)
@@ -128,7 +140,7 @@ class Manifest:
     target: ModelEntry
     draft: ModelEntry | None
     tokenizer_files: tuple[str, ...]
-    kv_layout: str = KV_LAYOUT
+    kv_layout: str = KV_LAYOUT  # of the delta graphs; each entry's own: ModelEntry.kv_layout
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     created_by: str = ""
@@ -141,8 +153,16 @@ class Manifest:
 
     @property
     def portable(self) -> bool:
-        """Every graph uses standard ops only (runs on onnxruntime's CUDA provider and TensorRT)."""
-        return self.target.portable and (self.draft is None or self.draft.portable)
+        """Every graph uses standard ops only (what TensorRT builds from)."""
+        return all(e.portable for e in self.entries())
+
+    @property
+    def for_gpu(self) -> bool:
+        """Every graph can run on onnxruntime's CUDA provider: fp16 lean graphs, or portable ones."""
+        return all(e.portable or (e.graph == "lean" and e.dtype == "float16") for e in self.entries())
+
+    def entries(self) -> list[ModelEntry]:
+        return [e for e in (self.target, self.draft) if e is not None]
 
     def graph_hashes(self) -> dict[str, str]:
         return {f: h for e in (self.target, self.draft) if e is not None for f, h in e.files.items()}
@@ -153,11 +173,19 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: dict) -> Manifest:
         d = dict(d)
-        d["target"] = ModelEntry(**d["target"])
-        d["draft"] = ModelEntry(**d["draft"]) if d.get("draft") else None
+        d["target"] = _entry(d["target"])
+        d["draft"] = _entry(d["draft"]) if d.get("draft") else None
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["tokenizer_files"] = tuple(d["tokenizer_files"])
         return cls(**d)
+
+
+def _entry(d: dict) -> ModelEntry:
+    d = dict(d)
+    if "graph" not in d:  # written before the lean graph: a delta graph, portable or with CPU contrib ops
+        d["graph"] = "portable" if d.get("portable") else "contrib"
+    d.pop("portable", None)
+    return ModelEntry(**d)
 
 
 def read_manifest(pair_dir: str | os.PathLike) -> Manifest:

@@ -136,18 +136,53 @@ def int4_default_pair(int4_default_dir):
 
 
 @pytest.fixture(scope="session")
+def noq_pair(noq_dir):
+    yield from _load(noq_dir)
+
+
+@pytest.fixture(scope="session")
 def pairs(qwen_pair, llama_pair) -> dict:
     return {"qwen2": qwen_pair, "llama": llama_pair}
 
 
 @pytest.fixture(scope="session")
+def noq_dir(work, hf_tiny) -> Path:
+    """The qwen2 tiny pair as exported for onnxruntime < 1.32 (no GroupQueryAttention query_seqlens)."""
+    export(*hf_tiny["qwen2"], work / "pair-noq", query_seqlens=False)
+    return work / "pair-noq"
+
+
+@pytest.fixture(scope="session")
 def portable_dir(work, hf_tiny) -> Path:
-    """The qwen2 tiny pair with standard ops only (fp32): what a GPU runs, exact enough to compare."""
+    """The qwen2 tiny pair as the portable graph (standard ops, fp32): what TensorRT builds from."""
     export(*hf_tiny["qwen2"], work / "pair-portable", portable=True)
     return work / "pair-portable"
 
 
 @pytest.fixture(scope="session")
 def fp16_dir(work, hf_tiny) -> Path:
+    """The qwen2 tiny pair in fp16 (the lean graph: onnxruntime's CUDA provider)."""
     export(*hf_tiny["qwen2"], work / "pair-fp16", precision="fp16")
     return work / "pair-fp16"
+
+
+@pytest.fixture(scope="session")
+def fp16_portable_dir(work, hf_tiny) -> Path:
+    """The qwen2 tiny pair as fp16 portable graphs (what TensorRT builds from); its KV slots are 64 bytes."""
+    export(*hf_tiny["qwen2"], work / "pair-fp16-portable", precision="fp16", portable=True)
+    return work / "pair-fp16-portable"
+
+
+@pytest.fixture(scope="session")
+def trt_dir(work) -> Path:
+    """fp16 portable graphs of a tiny pair with 256-byte KV slots (2 KV heads x head_dim 64 x 2 bytes), the
+    alignment TensorRT's tensor addresses need."""
+    from specrt.export.tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    src = work / "hf-trt"
+    target = make_model(src / "target", tok, "qwen2", layers=2, hidden=128, heads=2, kv_heads=2, vocab_size=384)
+    make_model(src / "draft", tok, "qwen2", layers=1, hidden=128, heads=2, kv_heads=2, vocab_size=384, seed=1,
+               donor=target)
+    export(src / "target", src / "draft", work / "pair-trt", precision="fp16", portable=True, max_len=128)
+    return work / "pair-trt"

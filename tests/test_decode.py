@@ -9,7 +9,7 @@ import pytest
 from _helpers import (EOS_ID, P_MIN, FakeEngine, chi2_pvalue, copy_pair, entropy, fake_exact_joint,
                       sequence_index)
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.engines.ort import OrtEngine
+from specrt.engines.ort import ort_engine
 from specrt.runtime.decode import decode
 from specrt.runtime.sampling import warp
 
@@ -323,7 +323,7 @@ def check_distributed_as_target(pair, temperature, top_k, top_p, k):
     V, E = m.vocab_size, EOS_ID
     cfg = SamplingConfig(temperature, top_k, top_p)
     prompt = pair.encode("alpha beta")
-    eng = OrtEngine(pair.dir, m.target, m.max_len, 1, threads=1)
+    eng = ort_engine(pair.dir, m.target, m.max_len, 1, threads=1)
     p1 = _target_dist(eng, V, prompt, cfg)
     assert entropy(p1) > 0.7  # not a degenerate first step
     p2 = {a: _target_dist(eng, V, prompt + [a], cfg) for a in range(V) if a != E and p1[a] > 0}

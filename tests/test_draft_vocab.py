@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from _helpers import WORDS, FrozenCosts, copy_pair, export
 from specrt.config import read_manifest, sha256_file
-from specrt.engines.ort import OrtEngine
+from specrt.engines.ort import ort_engine
 from specrt.errors import ExportError, PairError
 from specrt.export.pair import ExportConfig
 from specrt.export.vocab import select_ids
@@ -50,8 +50,8 @@ def test_manifest_and_rows(vocab_dir, qwen_dir):
     assert m.target.logits_width == full.target.logits_width and m.target.output_ids is None
     # The kept rows are exactly the full draft's logits at those ids.
     prompt = np.array([[5, 17, 33, 9, 100]])
-    a = OrtEngine(vocab_dir, d, 64, 1, threads=1).forward(prompt, np.array([4]))[0, 0]
-    b = OrtEngine(qwen_dir, full.draft, 64, 1, threads=1).forward(prompt, np.array([4]))[0, 0]
+    a = ort_engine(vocab_dir, d, 64, 1, threads=1).forward(prompt, np.array([4]))[0, 0]
+    b = ort_engine(qwen_dir, full.draft, 64, 1, threads=1).forward(prompt, np.array([4]))[0, 0]
     np.testing.assert_allclose(a, b[ids], atol=1e-5)
 
 

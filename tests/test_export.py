@@ -10,9 +10,10 @@ import pytest
 
 import specrt
 from _helpers import WORDS, copy_pair, export
-from specrt.config import FORMAT_NAME, FORMAT_VERSION, KV_LAYOUT, read_manifest, sha256_file
+from specrt.config import FORMAT_NAME, FORMAT_VERSION, LEAN_KV_LAYOUT, read_manifest, sha256_file
+from specrt.engines.ort import gqa_has_query_seqlens
 from specrt.errors import ConfigError, ExportError, PairError
-from specrt.export.graph import io_names
+from specrt.export.graph import lean_io_names
 from specrt.export.pair import ExportConfig
 
 
@@ -28,7 +29,7 @@ def test_manifest_describes_the_pair(request, model_type):
     d = request.getfixturevalue({"qwen2": "qwen_dir", "llama": "llama_dir"}[model_type])
     raw = json.loads((d / "manifest.json").read_text())
     assert raw["format"] == FORMAT_NAME and raw["format_version"] == FORMAT_VERSION == 1
-    assert raw["kv_layout"] == KV_LAYOUT == "seq,batch,kv_heads,head_dim"
+    assert raw["kv_layout"] == LEAN_KV_LAYOUT == "batch,kv_heads,seq,head_dim"
     assert raw["vocab_size"] == 320  # the tokenizer's ids, not the 384/352 output rows
     assert raw["eos_token_ids"] == [2]
     assert raw["max_len"] == 256 and raw["max_draft_len"] == 8
@@ -41,20 +42,21 @@ def test_manifest_describes_the_pair(request, model_type):
         e = raw[role]
         assert e["model_type"] == model_type and e["precision"] == "fp32" and e["dtype"] == "float32"
         assert (e["num_layers"], e["num_kv_heads"], e["head_dim"], e["logits_width"]) == (layers, 2, 16, width)
-        assert e["quantization"] is None
-        ins, outs = io_names(layers)
+        assert e["quantization"] is None and e["graph"] == "lean"
+        ins, outs = lean_io_names(layers, gqa_has_query_seqlens())
         assert list(e["inputs"]) == ins and list(e["outputs"]) == outs
-        for n in ("input_ids", "position_ids", "attention_mask", "logit_positions"):
+        for n in ("input_ids", "logit_index"):
             assert e["inputs"][n]["dtype"] == "int64"
+        for n in ("seqlens_k", "query_seqlens"):
+            assert n not in e["inputs"] or e["inputs"][n] == {"dtype": "int32", "shape": ["batch"]}
         assert e["inputs"]["input_ids"]["shape"] == ["batch", "seq"]
-        assert e["inputs"]["logit_positions"]["shape"] == ["n_logits"]
-        assert e["outputs"]["logits"] == {"dtype": "float32", "shape": ["batch", "n_logits", width]}
+        assert e["inputs"]["logit_index"]["shape"] == ["n_logits"]
+        assert e["outputs"]["logits"] == {"dtype": "float32", "shape": ["n_logits", width]}
         for i in range(layers):
             for n in (f"past_key.{i}", f"past_value.{i}"):
-                assert e["inputs"][n] == {"dtype": "float32", "shape": ["past", "batch", 2, 16]}
-            for n in (f"new_key.{i}", f"new_value.{i}"):
-                assert e["outputs"][n]["dtype"] == "float32"
-                assert e["outputs"][n]["shape"][:3] == ["seq", "batch", 2]
+                assert e["inputs"][n] == {"dtype": "float32", "shape": ["batch", 2, "capacity", 16]}
+            for n in (f"present_key.{i}", f"present_value.{i}"):
+                assert e["outputs"][n] == {"dtype": "float32", "shape": ["batch", 2, "capacity", 16]}
         # every file of the graph folder is listed, with its sha256
         assert e["path"] == f"{role}/model.onnx"
         on_disk = sorted(f"{role}/{p.name}" for p in (d / role).iterdir() if not p.name.startswith("."))
@@ -63,32 +65,52 @@ def test_manifest_describes_the_pair(request, model_type):
             assert sha256_file(d / name) == digest
 
 
-def test_manifest_new_kv_shapes_are_concrete(qwen_dir):
-    e = json.loads((qwen_dir / "manifest.json").read_text())["target"]
-    for i in range(e["num_layers"]):
-        for n in (f"new_key.{i}", f"new_value.{i}"):
-            assert e["outputs"][n]["shape"] == ["seq", "batch", 2, 16], (n, e["outputs"][n]["shape"])
-
-
-def test_past_is_read_in_place(qwen_dir):
-    """Each past K/V feeds only FusedMatMuls that read its sequence axis by strides (transBatchB): no
-    per-step Concat or Transpose copies the cache, whose cost grew with the past."""
+def test_each_past_feeds_only_its_attention_which_writes_the_present(qwen_dir, int4_dir):
+    """The cache is read and written in place by one GroupQueryAttention per layer: no past K/V reaches any
+    other op (a Concat, Transpose or Cast would copy the cache every step), and that op's present outputs
+    are the graph's (bound to the same buffers as the past)."""
     import onnx
 
-    for role in ("target", "draft"):
-        e = getattr(read_manifest(qwen_dir), role)
-        graph = onnx.load(str(qwen_dir / e.path), load_external_data=False).graph
-        for i in range(e.num_layers):
-            for name in (f"past_key.{i}", f"past_value.{i}"):
-                users = [n for n in graph.node if name in n.input and n.op_type != "Shape"]  # Shape reads no data
-                assert len(users) == 1 and users[0].op_type == "FusedMatMul", (role, name, [n.op_type for n in users])
-                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in users[0].attribute}
-                assert attrs["transBatchB"] == 1 and attrs["transB"] == int(name.startswith("past_key")), attrs
+    for d in (qwen_dir, int4_dir):
+        for role in ("target", "draft"):
+            e = getattr(read_manifest(d), role)
+            graph = onnx.load(str(d / e.path), load_external_data=False).graph
+            for i in range(e.num_layers):
+                pk, pv, nk, nv = e.kv_names(i)
+                users = {name: [n for n in graph.node if name in n.input and n.op_type != "Shape"]  # Shape reads no data
+                         for name in (pk, pv)}
+                assert [n.op_type for n in users[pk]] == ["GroupQueryAttention"], (role, pk, users[pk])
+                assert users[pv] == users[pk]
+                node = users[pk][0]
+                assert list(node.input[3:5]) == [pk, pv] and list(node.output[1:3]) == [nk, nv]
+
+
+@pytest.mark.parametrize("which", ["qwen_dir", "llama_dir", "int4_dir"])
+def test_lean_graph_nodes_per_layer(request, which):
+    """A decoder layer is a handful of fused ops: (target nodes - draft nodes) / (layer difference)."""
+    from collections import Counter
+
+    import onnx
+
+    d = request.getfixturevalue(which)
+    m = read_manifest(d)
+    ops = {role: Counter(n.op_type for n in onnx.load(str(d / e.path), load_external_data=False).graph.node)
+           for role, e in (("target", m.target), ("draft", m.draft))}
+    per_layer = {op: (ops["target"][op] - ops["draft"][op]) / (m.target.num_layers - m.draft.num_layers)
+                 for op in ops["target"] | ops["draft"]}
+    per_layer = {op: n for op, n in per_layer.items() if n}
+    matmul = "MatMulNBits" if which == "int4_dir" else "MatMul"
+    want = {matmul: 4, "GroupQueryAttention": 1, "SkipSimplifiedLayerNormalization": 2, "Split": 1, "Sigmoid": 1,
+            "Mul": 2}
+    if m.target.model_type == "qwen2":
+        want["Add"] = 1  # the q/k/v bias
+    assert per_layer == want
+    assert sum(per_layer.values()) <= 12
 
 
 def test_read_manifest_roundtrip(qwen_dir):
     m = read_manifest(qwen_dir)
-    assert m.target.kv_names(1) == ("past_key.1", "past_value.1", "new_key.1", "new_value.1")
+    assert m.target.kv_names(1) == ("past_key.1", "past_value.1", "present_key.1", "present_value.1")
     assert json.loads(m.to_json()) == json.loads((qwen_dir / "manifest.json").read_text())
 
 
@@ -132,7 +154,7 @@ def test_graph_not_matching_manifest_io_is_refused(qwen_dir, tmp_path):
     d = copy_pair(qwen_dir, tmp_path / "p")
 
     def rename(m):
-        m["target"]["inputs"]["position_ids_renamed"] = m["target"]["inputs"].pop("position_ids")
+        m["target"]["inputs"]["seqlens_renamed"] = m["target"]["inputs"].pop("seqlens_k")
 
     _edit_manifest(d, rename)
     with pytest.raises(PairError, match="does not match its manifest"):
@@ -342,7 +364,7 @@ def test_int4_manifest_and_graph(request, which, level):
         ops = [n.op_type for n in proto.graph.node]
         # fused qkv, o, fused gate/up, down per layer + lm_head; only activation x activation MatMuls remain
         assert ops.count("MatMulNBits") == 4 * e.num_layers + 1
-        assert ops.count("RotaryEmbedding") == 2 * e.num_layers
+        assert ops.count("GroupQueryAttention") == e.num_layers
         inits = {i.name for i in proto.graph.initializer}
         assert not any(n.op_type == "MatMul" and set(n.input) & inits for n in proto.graph.node)
         for n in proto.graph.node:

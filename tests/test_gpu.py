@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from specrt.engines.ort import OrtEngine, _cuda_provider, _preload_cuda_libraries, cuda_available, session_options
+from specrt.engines.ort import _cuda_provider, _preload_cuda_libraries, cuda_available, ort_engine, session_options
 
 WHY = cuda_available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no CUDA: {WHY}")
@@ -22,8 +22,8 @@ def _engines(pair_dir, role="target", max_logits=64):
 
     m = specrt.load(pair_dir, device="cpu").manifest
     entry = getattr(m, role)
-    return (OrtEngine(pair_dir, entry, m.max_len, max_logits, device="cpu", threads=1),
-            OrtEngine(pair_dir, entry, m.max_len, max_logits, device="cuda"))
+    return (ort_engine(pair_dir, entry, m.max_len, max_logits, device="cpu", threads=1),
+            ort_engine(pair_dir, entry, m.max_len, max_logits, device="cuda"))
 
 
 def _ids(n, seed=0):
@@ -83,7 +83,7 @@ def test_no_kv_tensor_is_copied_to_the_host(portable_dir, tmp_path):
     _preload_cuda_libraries()
     sess = ort.InferenceSession(str(portable_dir / m.target.path), so,
                                 providers=[_cuda_provider(0, m.target.dtype), "CPUExecutionProvider"])
-    eng = OrtEngine(portable_dir, m.target, m.max_len, 8, session=sess, device="cuda")
+    eng = ort_engine(portable_dir, m.target, m.max_len, 8, session=sess, device="cuda")
     ids = _ids(60, seed=5)
     eng.forward(ids[None, :40], np.array([39]))
     for i in range(40, 60):

@@ -1,8 +1,10 @@
-"""The parts of the GPU path a CPU can check: the portable graph, fp16 export, device selection and its
-errors, the GPU memory check, KV offsets, and TensorRT's profiles, chunking, metadata checks and build
-calls (against a stand-in module: TensorRT itself is not installed here, see engines/trt.py)."""
+"""The parts of the GPU path a CPU can check: the fp16 and int4-fp16 lean graphs, the portable graph,
+device selection and its errors, the GPU memory check, KV offsets, and TensorRT's profiles, chunking,
+metadata checks, operator support, alignment and build calls (against a stand-in module: TensorRT itself
+is not installed here, see engines/trt.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -12,10 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 import specrt
+from _helpers import export
 from specrt.cli import main
+from specrt.config import read_manifest
 from specrt.engines import trt
 from specrt.engines.ort import kv_offset
 from specrt.errors import ConfigError, ExportError, PairError
+from specrt.export.pair import ExportConfig
 
 
 def _onnx_domains(path):
@@ -43,12 +48,13 @@ def test_portable_graph_has_only_standard_ops_and_matches_the_default_graph(port
 
 
 def test_fp16_pair(fp16_dir, portable_dir):
-    """fp16 weights and caches, standard ops; on the CPU too, greedy speculative == greedy target-only."""
+    """fp16 weights and caches in the lean graph; on the CPU too, greedy speculative == greedy target-only."""
     import onnx
 
     with specrt.load(fp16_dir, device="cpu") as pair:
         m = pair.manifest
-        assert m.target.precision == "fp16" and m.target.dtype == "float16" and m.target.portable
+        assert m.target.precision == "fp16" and m.target.dtype == "float16" and m.target.graph == "lean"
+        assert m.for_gpu and not m.portable
         assert m.target.inputs["past_key.0"]["dtype"] == "float16"
         assert m.target.outputs["logits"]["dtype"] == "float32"
         g = onnx.load(str(fp16_dir / m.target.path))
@@ -102,15 +108,38 @@ def test_cuda_refuses_a_cpu_pair_and_checks_gpu_memory(qwen_dir, fp16_dir, monke
         specrt.load(fp16_dir, device="cuda")
 
 
-def test_batch_refuses_a_gpu_engine(qwen_pair):
-    from specrt.runtime.batch import batch_engine
+def test_int4_with_fp16_activations(work, hf_tiny):
+    """int4 weights with fp16 activations and caches (edge GPUs): made for a GPU, and on the CPU too greedy
+    speculative == greedy target-only."""
+    d = work / "pair-int4-fp16"
+    export(*hf_tiny["qwen2"], d, precision="int4", activations="fp16", accuracy_level=0)
+    with specrt.load(d, device="cpu") as pair:
+        m = pair.manifest
+        assert (m.target.precision, m.target.dtype, m.target.graph) == ("int4", "float16", "lean") and m.for_gpu
+        assert pair.target.keys[0].dtype == np.float16
+        for prompt in ("def quicksort(xs):", "class Stack:"):
+            want = pair.generate(prompt, max_new_tokens=32, draft_len=0).tokens
+            assert pair.generate(prompt, max_new_tokens=32, draft_len=3).tokens == want
+    with pytest.raises(ExportError, match="--activations fp16 does not go with --precision fp32"):
+        ExportConfig(target="a", draft=None, out=Path("b"), activations="fp16")
 
-    base = types.SimpleNamespace(device="cuda", entry=qwen_pair.target.entry, session=None)
-    with pytest.raises(ConfigError, match="batched decoding runs on the CPU"):
-        batch_engine(qwen_pair.dir, base, 64, 1, 2)
+
+def test_batch_needs_the_lean_graph(portable_dir):
+    from specrt.runtime.batch import BatchDecoder, batch_engine
+
+    with specrt.load(portable_dir, device="cpu") as pair:
+        with pytest.raises(ConfigError, match="batched decoding runs on the lean onnxruntime graph, and this pair "
+                                              "has standard-op .* re-export"):
+            batch_engine(pair.dir, pair.target, 64, 1, 2)
+        with pytest.raises(ConfigError, match="lean onnxruntime graph"):
+            BatchDecoder(pair, 2)
+    base = types.SimpleNamespace(device="tensorrt", entry=types.SimpleNamespace(graph="portable"))
+    with pytest.raises(ConfigError, match="TensorRT engines run one sequence"):
+        batch_engine(portable_dir, base, 64, 1, 2)
 
 
-def test_kv_offset_is_where_the_cpu_engine_writes(qwen_pair):
+def test_kv_offset_is_where_the_delta_engine_writes(portable_dir):
+    qwen_pair = specrt.load(portable_dir, device="cpu")
     e = qwen_pair.target
     ids = np.arange(3, 13)[None]
     e.truncate(0)
@@ -119,12 +148,13 @@ def test_kv_offset_is_where_the_cpu_engine_writes(qwen_pair):
     off = kv_offset(7, 1, entry.num_kv_heads, entry.head_dim, 4)
     assert e.keys[0][7:].ctypes.data == e.keys[0].ctypes.data + off
     assert kv_offset(0, 4, 2, 64, 2) == 0 and kv_offset(5, 4, 2, 64, 2) == 5 * 4 * 2 * 64 * 2
+    qwen_pair.close()
 
 
 # --- TensorRT: profiles, chunking, metadata, build calls -------------------------------------------------
 
-def test_trt_profiles_cover_prefill_verify_and_step(qwen_dir):
-    m = specrt.load(qwen_dir, device="cpu").manifest
+def test_trt_profiles_cover_prefill_verify_and_step(portable_dir):
+    m = read_manifest(portable_dir)
     tp = trt.profiles(m.target, "target", m.max_len, m.max_draft_len, 64)
     dp = trt.profiles(m.draft, "draft", m.max_len, m.max_draft_len, 64)
     assert [p["name"] for p in tp] == ["verify", "prefill"] and [p["name"] for p in dp] == ["step", "prefill"]
@@ -271,11 +301,11 @@ class _FakeTrt:
         self.Builder, self.OnnxParser = Builder, Parser
 
 
-def test_trt_build_sets_every_input_of_every_profile(fp16_dir, tmp_path):
-    m = specrt.load(fp16_dir, device="cpu").manifest
+def test_trt_build_sets_every_input_of_every_profile(trt_dir, tmp_path):
+    m = read_manifest(trt_dir)
     fake = _FakeTrt()
     profs = trt.profiles(m.target, "target", m.max_len, m.max_draft_len, 32)
-    trt.build_engine(fake, fp16_dir / m.target.path, profs, tmp_path / "t.plan", tmp_path / "timing.cache", 1 << 30)
+    trt.build_engine(fake, trt_dir / m.target.path, profs, tmp_path / "t.plan", tmp_path / "timing.cache", 1 << 30)
     assert ("flags", 1 << 1) in fake.calls  # strongly typed: precision comes from the fp16 graph
     added = [c[1] for c in fake.calls if c[0] == "profile"]
     assert len(added) == 2 and all(set(a) == set(m.target.inputs) for a in added)
@@ -292,15 +322,98 @@ def test_build_engines_refuses_a_contrib_graph(qwen_dir, monkeypatch):
 
 def test_manifest_without_engines_still_reads(qwen_dir):
     raw = json.loads((qwen_dir / "manifest.json").read_text())
-    assert raw["engines"] is None and raw["target"]["portable"] is False
+    assert raw["engines"] is None and raw["target"]["graph"] == "lean" and "portable" not in raw["target"]
 
 
-def test_build_engines_command_writes_plans_and_manifest(fp16_dir, tmp_path, monkeypatch):
+def test_manifest_of_an_older_specrt_still_loads(qwen_dir, portable_dir, tmp_path):
+    """Manifests written before the lean graph said `portable` and had no `graph`: they read as the delta
+    graphs they were (and load through the delta engine)."""
+    from _helpers import copy_pair
+
+    d = copy_pair(portable_dir, tmp_path / "old")
+    raw = json.loads((d / "manifest.json").read_text())
+    for role in ("target", "draft"):
+        raw[role].pop("graph")
+        raw[role]["portable"] = True
+    (d / "manifest.json").write_text(json.dumps(raw))
+    m = read_manifest(d)
+    assert m.target.graph == "portable" and m.portable and m.target.kv_names(0)[2] == "new_key.0"
+    with specrt.load(d, device="cpu") as old, specrt.load(portable_dir, device="cpu") as new:
+        assert old.generate("def f(x):", max_new_tokens=8).tokens == new.generate("def f(x):", max_new_tokens=8).tokens
+    raw["target"]["portable"] = raw["draft"]["portable"] = False
+    (d / "manifest.json").write_text(json.dumps(raw))
+    assert read_manifest(d).target.graph == "contrib"
+
+
+def test_trt_parser_support_check(portable_dir, trt_dir, qwen_dir, tmp_path):
+    """A static check of a graph against TensorRT's ONNX parser table: the portable graphs pass (fp32 and
+    fp16); the lean graph's contrib ops and an int64 CumSum are reported."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    for d in (portable_dir, trt_dir):
+        m = read_manifest(d)
+        for e in m.entries():
+            assert trt.check_parser_support(d / e.path) == [], (d, e.path)
+    lean = trt.check_parser_support(qwen_dir / read_manifest(qwen_dir).target.path)
+    assert any("GroupQueryAttention (com.microsoft) is not an ONNX operator" in p for p in lean)
+    g = helper.make_graph([helper.make_node("CumSum", ["x", "axis"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.INT64, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
+                          [helper.make_tensor("axis", TensorProto.INT64, [], [0])])
+    onnx.save(helper.make_model(g), str(tmp_path / "cumsum.onnx"))
+    assert trt.check_parser_support(tmp_path / "cumsum.onnx") == ["CumSum on INT32 (x): the parser takes FP32, FP16"]
+
+
+def test_trt_needs_256_byte_slots(fp16_portable_dir, trt_dir, monkeypatch):
+    """New K/V are bound at slot offsets: TensorRT needs them 256-byte aligned. The tiny fp16 pair's slot is
+    64 bytes (2 KV heads x 16 x 2): refused with the numbers, at build and at load."""
+    m = read_manifest(fp16_portable_dir)
+    with pytest.raises(PairError, match=r"KV slot is 64 bytes \(2 KV heads x head_dim 16 x 2\), not a multiple of "
+                                        r"the 256 bytes TensorRT needs .*--device cuda"):
+        trt.check_alignment(m.target, "target")
+    monkeypatch.setattr(trt, "require_tensorrt", lambda error=ExportError: _FakeTrt())
+    with pytest.raises(ExportError, match="not a multiple of the 256 bytes"):
+        trt.build_pair_engines(fp16_portable_dir, m)
+    trt.check_alignment(read_manifest(trt_dir).target, "target")  # 2 x 64 x 2 = 256
+
+
+def test_auto_falls_back_to_cuda_when_the_engines_do_not_load(trt_dir, monkeypatch):
+    """--device auto on a pair with TensorRT engines that do not load here: onnxruntime's CUDA provider runs
+    its graphs, with a note saying why (onnxruntime's CPU provider stands in for the GPU here)."""
+    import sys
+
+    import specrt.engines.ort as ort_mod
+    import specrt.runtime.pair as pair_mod
+
+    m = read_manifest(trt_dir)
+    monkeypatch.setattr(pair_mod, "read_manifest", lambda d: dataclasses.replace(m, engines={"tensorrt_version": "x"}))
+    monkeypatch.setattr(ort_mod, "cuda_available", lambda: None)
+    monkeypatch.setitem(sys.modules, "tensorrt", _FakeTrt())
+    real = pair_mod._engine
+
+    def engine(pair_dir, m, role, max_logits, threads, device):
+        if device == "tensorrt":
+            raise PairError("the TensorRT engines in p were built with TensorRT x (stand-in)")
+        return real(pair_dir, m, role, max_logits, threads, "cpu")
+
+    monkeypatch.setattr(pair_mod, "_engine", engine)
+    monkeypatch.setenv("SPECRT_GPU_MEM_AVAILABLE_BYTES", str(1 << 40))
+    with specrt.load(trt_dir) as pair:
+        assert pair.device == "cuda"
+        assert pair.notes == ["TensorRT engines not used: the TensorRT engines in p were built with TensorRT x "
+                              "(stand-in); running on onnxruntime's CUDA provider"]
+        assert pair.generate("def f(x):", max_new_tokens=4).tokens
+    with pytest.raises(PairError, match="built with TensorRT x"):  # asked for by name: no fallback
+        specrt.load(trt_dir, device="tensorrt")
+
+
+def test_build_engines_command_writes_plans_and_manifest(trt_dir, tmp_path, monkeypatch):
     import sys
 
     from _helpers import copy_pair
 
-    pair_dir = copy_pair(fp16_dir, tmp_path / "p")
+    pair_dir = copy_pair(trt_dir, tmp_path / "p")
     monkeypatch.setitem(sys.modules, "tensorrt", _FakeTrt())
     monkeypatch.setattr(trt, "gpu_identity", lambda device_id=0: ("8.7", "Orin (stand-in)"))
     r = CliRunner().invoke(main, ["build-engines", str(pair_dir), "--prefill-chunk", "64"])

@@ -207,7 +207,7 @@ def test_info_text(qwen_dir):
                  "4 layers, 2 KV heads x head_dim 16", "2 layers, 2 KV heads x head_dim 16", "on disk",
                  "memory:    about ", "KV cache", "workspace", "available: ", "tuned:     no",
                  "engines:   onnxruntime ", "CPUExecutionProvider", "CUDAExecutionProvider",
-                 "this pair's graphs are CPU-only", "engines:   tensorrt", "no engines in this pair"):
+                 "this pair's graphs run on the CPU only", "engines:   tensorrt", "no engines in this pair"):
         assert want in out, (want, out)
     assert r.stderr == ""
 

@@ -1,14 +1,23 @@
-"""onnxruntime backend with I/O binding over a static, sequence-major KV cache (DESIGN §3).
+"""onnxruntime backends: the lean graph over shared per-row caches, and the delta graph for TensorRT's kind.
 
-Per layer one K and one V buffer `[max_len, B, Hkv, D]` is allocated once, on the device the model
-runs on (numpy arrays on the CPU; onnxruntime OrtValues in GPU memory with the CUDA provider). A
-call binds the valid prefix `[0:P]` as the past (by pointer, no copy) and binds the graph's new-K/V
-outputs to `[P:P+S]` (`kv_offset`), so onnxruntime writes the new entries straight into the cache.
-Rolling back rejected tokens is `truncate(n)`: the next call binds a shorter past. Per call only the
-token ids, positions and mask go to the device and only the requested logits rows come back.
+`ort_engine(...)` opens the right one for a manifest entry:
+
+- `LeanEngine` (`entry.graph == "lean"`, DESIGN §3): per layer one K and one V buffer `[B, Hkv, C, D]`,
+  allocated once on the device the model runs on, bound as both the past and the present of
+  GroupQueryAttention, which reads each row's valid prefix and writes its new entries in place at that
+  row's own length. Each row has its own length; a rollback is a shorter length next call. Every call has
+  the same input and output addresses, so on a GPU each pass shape is captured once as a CUDA graph and
+  replayed.
+- `DeltaEngine` (the standard-op "portable" graph TensorRT builds from, and graphs exported before the
+  lean one): sequence-major buffers `[C, B, Hkv, D]`; a call binds the valid prefix `[0:P]` as the past
+  and the graph's new-K/V outputs at `[P:P+S]` (`kv_offset`), so onnxruntime writes the new entries
+  straight into the cache. All rows share one length.
+
+Per call only the token ids and lengths go to the device and only the requested logits rows come back.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -17,14 +26,25 @@ import numpy as np
 from specrt.config import ModelEntry
 from specrt.errors import PairError
 
-_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+_ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
+              "tensor(int32)": "int32"}
 DEVICES = ("cpu", "cuda")
 
 
 def kv_offset(length: int, batch: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Byte offset of cache slot `length` in a sequence-major [max_len, B, Hkv, D] buffer: where a
-    call's new K/V are written, and the end of the past it binds (every prefix is contiguous)."""
+    """Byte offset of cache slot `length` in a sequence-major [C, B, Hkv, D] buffer (the delta contract):
+    where a call's new K/V are written, and the end of the past it binds (every prefix is contiguous)."""
     return length * batch * kv_heads * head_dim * itemsize
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the driver shows this process (0 without a driver)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    n = ctypes.c_int(0)
+    return n.value if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
 
 
 def cuda_available() -> str | None:
@@ -34,12 +54,22 @@ def cuda_available() -> str | None:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return (f"this onnxruntime ({ort.__version__}, {ort.get_device()}) has no CUDA provider; "
                 "install onnxruntime-gpu (pip install 'specrt[gpu]')")
-    from specrt.runtime.memory import cuda_device_count
-
-    n = cuda_device_count()
-    if n == 0:
+    if cuda_device_count() == 0:
         return "no CUDA device is visible (driver missing, or CUDA_VISIBLE_DEVICES hides them)"
     return None
+
+
+def gqa_has_query_seqlens() -> bool:
+    """Whether this onnxruntime's GroupQueryAttention takes `query_seqlens` (1.32+): several rows with
+    several new tokens each in one call. Older versions refuse such calls; lean graphs exported for them
+    lack that input, and the engine runs such calls row by row."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+        return any(s.name == "GroupQueryAttention" and any(i.name == "query_seqlens" for i in s.inputs)
+                   for s in C.get_all_operator_schema())
+    except (ImportError, AttributeError):
+        return False
 
 
 def _preload_cuda_libraries() -> None:
@@ -53,7 +83,7 @@ def _preload_cuda_libraries() -> None:
         pass
 
 
-def _cuda_provider(device_id: int, dtype: str = "float16"):
+def _cuda_provider(device_id: int, dtype: str = "float16", cuda_graph: bool = False):
     """The CUDA provider's options: device memory grows in its own arena; the default stream is used
     for copies so a host read of the logits waits for the pass that wrote them. An fp32 graph runs in
     fp32: onnxruntime's default TF32 matmuls (10-bit mantissa) moved the tiny test model's fp32 logits
@@ -61,6 +91,8 @@ def _cuda_provider(device_id: int, dtype: str = "float16"):
     opts = {"device_id": device_id, "arena_extend_strategy": "kSameAsRequested", "do_copy_in_default_stream": True}
     if dtype == "float32":
         opts["use_tf32"] = 0
+    if cuda_graph:
+        opts["enable_cuda_graph"] = 1
     return ("CUDAExecutionProvider", opts)
 
 
@@ -83,83 +115,143 @@ def session_options(threads: int | None = None, spinning: bool = True):
     return so
 
 
-class OrtEngine:
-    """One model on onnxruntime's CPU or CUDA provider. Implements engines.base.Engine."""
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
-    def __init__(self, pair_dir: Path, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
+
+def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0, threads: int | None = None,
+                 spinning: bool = True, cuda_graph: bool = False):
+    """(InferenceSession, note): the session of one graph on `device`. With `cuda_graph`, onnxruntime is
+    asked to capture passes as CUDA graphs; when it refuses, the session runs without and `note` says why."""
+    import onnxruntime as ort
+
+    if device not in DEVICES:
+        raise PairError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "cuda":
+        why = cuda_available()
+        if why:
+            raise PairError(f"cannot run on cuda: {why}")
+        if entry.graph == "contrib":
+            raise PairError(f"{path} was exported for the CPU (onnxruntime contrib ops of an older specrt); "
+                            "re-export the pair with --precision fp16 for a GPU")
+        if entry.graph == "lean" and entry.dtype == "float32":
+            raise PairError(f"{path} is an fp32 graph: onnxruntime's GroupQueryAttention has no fp32 CUDA kernel; "
+                            "export with --precision fp16 (or int4 --activations fp16) for a GPU")
+        _preload_cuda_libraries()
+    if "query_seqlens" in entry.inputs and not gqa_has_query_seqlens():
+        raise PairError(f"{path} needs onnxruntime >= 1.32 (GroupQueryAttention's query_seqlens), this is "
+                        f"{ort.__version__}; upgrade onnxruntime, or re-export the pair with --no-query-seqlens")
+    note = None
+    for capture in ((True, False) if cuda_graph and device == "cuda" else (False,)):
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            providers = [_cuda_provider(device_id, entry.dtype, capture), "CPUExecutionProvider"]
+        try:
+            session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning), providers=providers)
+            break
+        except Exception as e:  # onnxruntime raises its own types with multi-line text
+            if capture:
+                note = f"CUDA graphs are off for {path.parent.name}: onnxruntime refused to capture ({_first_line(e)})"
+                continue
+            raise PairError(f"cannot load {path}: {_first_line(e)}") from None
+    # onnxruntime falls back to the CPU when the CUDA provider fails to load (a missing cuDNN, say) with
+    # only a log line: a silent 20x slowdown, so refuse instead.
+    if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise PairError(f"onnxruntime could not start its CUDA provider for {path} (CUDA/cuDNN libraries "
+                        "not found? see `python -c 'import onnxruntime; onnxruntime.preload_dlls()'`)")
+    _check_io(session, entry, path)
+    return session, note
+
+
+def _check_io(session, entry: ModelEntry, path: Path) -> None:
+    """The graph must have exactly the inputs and outputs its manifest entry lists."""
+    for kind, actual, expected in (("input", session.get_inputs(), entry.inputs),
+                                   ("output", session.get_outputs(), entry.outputs)):
+        got = {a.name: _ORT_TYPES.get(a.type, a.type) for a in actual}
+        want = {n: spec["dtype"] for n, spec in expected.items()}
+        if got != want:
+            diff = sorted(set(got.items()) ^ set(want.items()))[:3]
+            raise PairError(f"{path} does not match its manifest ({kind}s differ: {diff}); re-export the pair")
+
+
+def ort_engine(pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1, **kw):
+    """The onnxruntime engine for `entry`'s graph (see the module docstring); `kw` as LeanEngine takes."""
+    cls = LeanEngine if entry.graph == "lean" else DeltaEngine
+    return cls(pair_dir, entry, max_len, max_logits, batch=batch, **kw)
+
+
+class _Base:
+    """Session, device and cache buffers of one model; the two contracts differ in how a call binds them."""
+
+    shape: tuple  # of one layer's K (or V) buffer
+
+    def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
                  threads: int | None = None, spinning: bool = True, session=None, device: str = "cpu",
-                 device_id: int = 0):
-        """`session`: an already loaded InferenceSession of this graph (another engine's), so that engines
-        of other batch sizes, each with its own KV buffers, share one copy of the weights.
-        `device`: "cpu", or "cuda" (onnxruntime's CUDA provider; caches stay in GPU memory)."""
-        import onnxruntime as ort
-
-        if device not in DEVICES:
-            raise PairError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
-        path = Path(pair_dir) / entry.path
+                 device_id: int = 0, cuda_graph: bool = True):
+        """`max_len`: slots per row. `max_logits`: logits rows per row a call may ask for.
+        `session`: an already loaded InferenceSession of this graph (another engine's), so that engines of
+        other batch sizes, each with its own KV buffers, share one copy of the weights.
+        `device`: "cpu", or "cuda" (onnxruntime's CUDA provider; caches stay in GPU memory).
+        `cuda_graph`: on "cuda", replay each pass shape from a captured CUDA graph (lean graphs)."""
+        self.note = None  # why CUDA graphs are off, when they were asked for and refused
+        # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
+        self.captures = cuda_graph and device == "cuda" and entry.graph == "lean"
         if session is None:
-            providers = ["CPUExecutionProvider"]
-            if device == "cuda":
-                why = cuda_available()
-                if why:
-                    raise PairError(f"cannot run on cuda: {why}")
-                if not entry.portable:
-                    raise PairError(f"{path} uses onnxruntime's CPU-only contrib ops; export the pair with "
-                                    "--precision fp16 for a GPU")
-                _preload_cuda_libraries()
-                providers = [_cuda_provider(device_id, entry.dtype), "CPUExecutionProvider"]
-            try:
-                session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning),
-                                               providers=providers)
-            except Exception as e:  # onnxruntime raises its own types with multi-line text
-                raise PairError(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-            # onnxruntime falls back to the CPU when the CUDA provider fails to load (a missing cuDNN,
-            # say) with only a log line: a silent 20x slowdown, so refuse instead.
-            if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-                raise PairError(f"onnxruntime could not start its CUDA provider for {path} (CUDA/cuDNN libraries "
-                                "not found? see `python -c 'import onnxruntime; onnxruntime.preload_dlls()'`)")
-            _check_io(session, entry, path)
-        self.session = session
-        self.entry = entry
+            session, self.note = load_session(Path(pair_dir) / entry.path, entry, device, device_id, threads,
+                                              spinning, self.captures)
+            self.captures = self.captures and self.note is None
+        elif device not in DEVICES:
+            raise PairError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+        self.session, self.entry = session, entry
         self.device, self.device_id = device, device_id
-        self.max_len, self.batch, self.length = max_len, batch, 0
+        self.max_len, self.batch = max_len, batch
         self.dtype = np.dtype(entry.dtype)
-        shape = (max_len, batch, entry.num_kv_heads, entry.head_dim)
+        self._max_logits = max_logits
         if device == "cpu":
-            self.keys = [np.zeros(shape, self.dtype) for _ in range(entry.num_layers)]
-            self.values = [np.zeros(shape, self.dtype) for _ in range(entry.num_layers)]
+            self.keys = [np.zeros(self.shape, self.dtype) for _ in range(entry.num_layers)]
+            self.values = [np.zeros(self.shape, self.dtype) for _ in range(entry.num_layers)]
             self._key_ptrs = [k.ctypes.data for k in self.keys]
             self._value_ptrs = [v.ctypes.data for v in self.values]
         else:  # allocated once in GPU memory; never copied to the host
-            alloc = lambda: ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, device, device_id)  # noqa: E731
+            import onnxruntime as ort
+
+            alloc = lambda: ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), self.dtype, device, device_id)  # noqa: E731
             self.keys = [alloc() for _ in range(entry.num_layers)]
             self.values = [alloc() for _ in range(entry.num_layers)]
             self._key_ptrs = [k.data_ptr() for k in self.keys]
             self._value_ptrs = [v.data_ptr() for v in self.values]
         self._logits = np.empty(batch * max_logits * entry.logits_width, np.float32)
-        self._max_logits = max_logits
         self._io = self.session.io_binding()
 
-    def forward(self, tokens: np.ndarray, logit_positions: np.ndarray, positions: np.ndarray | None = None,
-                mask: np.ndarray | None = None) -> np.ndarray:
-        """Append `tokens` [B, S] to the cache; return logits [B, N, V] (a view, valid until the next call).
-
-        `positions` [B, S] and `mask` [B, P+S] default to a dense batch: positions P..P+S-1, all slots valid.
-        """
-        B, S = tokens.shape
-        P, N = self.length, len(logit_positions)
+    def _check(self, P: int, S: int, N: int) -> None:
         if P + S > self.max_len:
             raise ValueError(f"KV cache overflow: {P}+{S} > max_len {self.max_len}")
-        if N > self._max_logits:
-            raise ValueError(f"{N} logit rows requested, at most {self._max_logits}")
-        if positions is None:
-            positions = np.broadcast_to(np.arange(P, P + S, dtype=np.int64), (B, S))
-        if mask is None:
-            mask = np.ones((B, P + S), np.int64)
+        if N > self._max_logits * self.batch:
+            raise ValueError(f"{N} logit rows requested, at most {self._max_logits * self.batch}")
+
+    def close(self) -> None:
+        self._io = None
+        self.session = None
+        self.keys = self.values = self._key_ptrs = self._value_ptrs = []
+
+
+class DeltaEngine(_Base):
+    """The delta contract (module docstring): one shared length. Implements engines.base.Engine."""
+
+    def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1, **kw):
+        self.shape = (max_len, batch, entry.num_kv_heads, entry.head_dim)
+        super().__init__(pair_dir, entry, max_len, max_logits, batch, **kw)
+        self.length = 0
+
+    def forward(self, tokens: np.ndarray, logit_positions: np.ndarray) -> np.ndarray:
+        """Append `tokens` [B, S] to the cache; return logits [B, N, V] (a view, valid until the next call)."""
+        B, S = tokens.shape
+        P, N = self.length, len(logit_positions)
+        self._check(P, S, N * B)
         io, e = self._io, self.entry
         io.bind_cpu_input("input_ids", np.ascontiguousarray(tokens, np.int64))
-        io.bind_cpu_input("position_ids", np.ascontiguousarray(positions, np.int64))
-        io.bind_cpu_input("attention_mask", np.ascontiguousarray(mask, np.int64))
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(np.broadcast_to(np.arange(P, P + S), (B, S)), np.int64))
+        io.bind_cpu_input("attention_mask", np.ones((B, P + S), np.int64))
         io.bind_cpu_input("logit_positions", np.ascontiguousarray(logit_positions, np.int64))
         kv_shape = [P, B, e.num_kv_heads, e.head_dim]
         new_shape = [S, B, e.num_kv_heads, e.head_dim]
@@ -182,18 +274,170 @@ class OrtEngine:
             raise ValueError(f"cannot truncate a cache of {self.length} to {length}")
         self.length = length
 
-    def close(self) -> None:
-        self._io = None
-        self.session = None
-        self.keys = self.values = self._key_ptrs = self._value_ptrs = []
+
+class LeanEngine(_Base):
+    """The lean graph over per-row caches (module docstring). Implements engines.base.Engine (`length`
+    and `truncate` act on every row; batch 1 is the usual case) plus ragged calls for batched decoding:
+    `forward_ragged` appends a different number of tokens to each row, `lengths[r]` is row r's length,
+    and `row(r)` is a batch-1 engine over row r's part of the buffers (a prefill writes there directly)."""
+
+    def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1, **kw):
+        self.shape = (batch, entry.num_kv_heads, max_len, entry.head_dim)
+        super().__init__(pair_dir, entry, max_len, max_logits, batch, **kw)
+        self.lengths = np.zeros(batch, np.int64)
+        # onnxruntime < 1.32 has no query_seqlens: one call cannot give several rows several tokens each
+        self.ragged = "query_seqlens" in entry.inputs
+        self._row_bytes = entry.num_kv_heads * max_len * entry.head_dim * self.dtype.itemsize
+        self._offset = 0  # byte offset of row 0 within the buffers (a row view's row)
+        self._graphs = _CudaGraphs(self) if self.captures else None
+        self._rows: dict[int, LeanEngine] = {}
+
+    @property
+    def length(self) -> int:
+        """Row 0's length (batch 1: the cache's)."""
+        return int(self.lengths[0])
+
+    def truncate(self, length: int) -> None:
+        if length < 0 or (length > self.lengths).any():
+            raise ValueError(f"cannot truncate a cache of {self.length} to {length}")
+        self.lengths[:] = length
+
+    def set_length(self, row: int, length: int) -> None:
+        """Row `row` keeps its first `length` slots (a shorter length: a rollback; 0: the row is free)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot truncate row {row} of {self.lengths[row]} slots to {length}")
+        self.lengths[row] = length
+
+    def forward(self, tokens: np.ndarray, logit_positions: np.ndarray) -> np.ndarray:
+        """Append `tokens` [B, S] to every row; return logits [B, N, V] for positions `logit_positions` [N]
+        of every row (a view, valid until the next call)."""
+        B, S = tokens.shape
+        pos = np.asarray(logit_positions, np.int64)
+        index = (np.arange(B)[:, None] * S + pos[None]).reshape(-1)  # [B*N]
+        out = self.forward_ragged(tokens, np.full(B, S, np.int64), index)
+        return out.reshape(B, len(pos), self.entry.logits_width)
+
+    def forward_ragged(self, tokens: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+        """Row r appends tokens[r, :counts[r]] ([B, S], right-padded; count 0: the row sits out). Returns
+        logits [N, V] for the flat positions `logit_index` [N] (row * S + position), a view valid until the
+        next call."""
+        B, S = tokens.shape
+        counts = np.asarray(counts, np.int64)
+        if B != self.batch:
+            raise ValueError(f"{B} rows for an engine of batch {self.batch}")
+        self._check(int(self.lengths.max()), S, len(logit_index))  # every row has room for the padded pass
+        if not self.ragged and B > 1 and S > 1:  # GroupQueryAttention without query_seqlens refuses these
+            return self._row_by_row(tokens, counts, logit_index)
+        if self._graphs is not None:
+            out = self._graphs.run(tokens, counts, logit_index)
+            if out is not None:
+                self.lengths += counts
+                return out
+        return self._run(tokens, counts, logit_index)
+
+    def _inputs(self, tokens, counts) -> dict[str, np.ndarray]:
+        seqlens = self.lengths + (counts if self.ragged else tokens.shape[1]) - 1
+        feeds = {"input_ids": np.ascontiguousarray(tokens, np.int64),
+                 "seqlens_k": np.maximum(seqlens, 0).astype(np.int32)}  # an idle empty row: one slot, unused
+        if self.ragged:
+            feeds["query_seqlens"] = counts.astype(np.int32)
+        return feeds
+
+    def _bind_caches(self, io) -> None:
+        e, dev, did = self.entry, ("cpu" if self.device == "cpu" else "cuda"), self.device_id
+        for i in range(e.num_layers):
+            pk, pv, nk, nv = e.kv_names(i)
+            for past, present, ptr in ((pk, nk, self._key_ptrs[i]), (pv, nv, self._value_ptrs[i])):
+                io.bind_input(past, dev, did, self.dtype, list(self.shape), ptr + self._offset)
+                io.bind_output(present, dev, did, self.dtype, list(self.shape), ptr + self._offset)  # in place
+
+    def _run(self, tokens, counts, logit_index) -> np.ndarray:
+        io, N, W = self._io, len(logit_index), self.entry.logits_width
+        for name, value in self._inputs(tokens, counts).items():
+            io.bind_cpu_input(name, value)
+        io.bind_cpu_input("logit_index", np.ascontiguousarray(logit_index, np.int64))
+        self._bind_caches(io)
+        io.bind_output("logits", "cpu", 0, np.float32, [N, W], self._logits.ctypes.data)
+        self.session.run_with_iobinding(io, _run_options(-1) if self.captures else None)
+        self.lengths += counts
+        return self._logits[: N * W].reshape(N, W)
+
+    def _row_by_row(self, tokens, counts, logit_index) -> np.ndarray:
+        """An onnxruntime without query_seqlens: each fed row in its own batch-1 call."""
+        S, W = tokens.shape[1], self.entry.logits_width
+        logit_index = np.asarray(logit_index, np.int64)
+        out = np.empty((len(logit_index), W), np.float32)
+        for r in np.flatnonzero(counts):
+            mine = np.flatnonzero(logit_index // S == r)
+            pos = logit_index[mine] % S
+            got = self.row(r).forward_ragged(tokens[r:r + 1, :counts[r]], counts[r:r + 1], pos)
+            out[mine] = got
+        return out
+
+    def row(self, r: int) -> LeanEngine:
+        """A batch-1 engine over row r of these buffers (same session; its length is `lengths[r]`)."""
+        if r not in self._rows:
+            self._rows[r] = self._view(r)
+        return self._rows[r]
+
+    def _view(self, r: int) -> LeanEngine:
+        view = object.__new__(LeanEngine)
+        view.__dict__.update(self.__dict__)
+        view.batch, view.shape = 1, (1, *self.shape[1:])
+        view.lengths = self.lengths[r:r + 1]  # a view: the row's length moves in both
+        view._offset = self._offset + r * self._row_bytes
+        view._io, view._graphs, view._rows = self.session.io_binding(), None, {}  # not the captured addresses
+        view._logits = np.empty(self._max_logits * self.entry.logits_width, np.float32)
+        return view
 
 
-def _check_io(session, entry: ModelEntry, path: Path) -> None:
-    """The graph must have exactly the inputs and outputs its manifest entry lists."""
-    for kind, actual, expected in (("input", session.get_inputs(), entry.inputs),
-                                   ("output", session.get_outputs(), entry.outputs)):
-        got = {a.name: _ORT_TYPES.get(a.type, a.type) for a in actual}
-        want = {n: spec["dtype"] for n, spec in expected.items()}
-        if got != want:
-            diff = sorted(set(got.items()) ^ set(want.items()))[:3]
-            raise PairError(f"{path} does not match its manifest ({kind}s differ: {diff}); re-export the pair")
+def _run_options(graph_id: int):
+    import onnxruntime as ort
+
+    ro = ort.RunOptions()
+    ro.add_run_config_entry("gpu_graph_id", str(graph_id))  # -1: run without capturing or replaying
+    return ro
+
+
+class _CudaGraphs:
+    """Captured passes of a LeanEngine on CUDA: one CUDA graph per call shape (rows, width, logits rows),
+    each with its own device input and logits buffers at fixed addresses (what replaying needs; the caches'
+    addresses never change). Shapes wider than `widest` (prefills) run uncaptured."""
+
+    widest = 16  # a verify pass of max_draft_len + 1 tokens, or a draft's catch-up chunk
+    most = 64  # graphs kept per engine (each holds its own activations)
+
+    def __init__(self, engine: LeanEngine):
+        import onnxruntime as ort
+
+        self.e, self._ort = engine, ort
+        self.ids: dict[tuple[int, int, int], int] = {}
+        self.bufs: dict[tuple[int, int, int], dict] = {}
+
+    def run(self, tokens, counts, logit_index) -> np.ndarray | None:
+        """Logits [N, V] from the captured graph of this shape, or None: run it uncaptured."""
+        e = self.e
+        B, S = tokens.shape
+        key = (B, S, len(logit_index))
+        if S > self.widest or (key not in self.ids and len(self.ids) >= self.most):
+            return None
+        ort, dev, did = self._ort, "cuda", e.device_id
+        if key not in self.ids:
+            self.ids[key] = len(self.ids) + 1  # 0 and -1 mean "no graph" to onnxruntime
+            feeds = e._inputs(tokens, counts)
+            bufs = {n: ort.OrtValue.ortvalue_from_numpy(v, dev, did) for n, v in feeds.items()}
+            bufs["logit_index"] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(logit_index, np.int64), dev, did)
+            bufs["logits"] = ort.OrtValue.ortvalue_from_shape_and_type([key[2], e.entry.logits_width], np.float32, dev, did)
+            io = e.session.io_binding()
+            for n, v in bufs.items():
+                (io.bind_ortvalue_output if n == "logits" else io.bind_ortvalue_input)(n, v)
+            e._bind_caches(io)
+            bufs["io"] = io
+            self.bufs[key] = bufs
+        else:
+            bufs = self.bufs[key]
+            for n, v in e._inputs(tokens, counts).items():
+                bufs[n].update_inplace(v)
+            bufs["logit_index"].update_inplace(np.ascontiguousarray(logit_index, np.int64))
+        e.session.run_with_iobinding(bufs["io"], _run_options(self.ids[key]))
+        return bufs["logits"].numpy()

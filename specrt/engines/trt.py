@@ -34,8 +34,68 @@ from specrt.config import Manifest, ModelEntry, sha256_file
 from specrt.engines.ort import kv_offset
 from specrt.errors import ExportError, PairError
 
+ALIGN = 256  # bytes: TensorRT's alignment for the addresses given to set_tensor_address
+
 INSTALL_HINT = ("install TensorRT for this machine (x86_64: pip install tensorrt cuda-python; Jetson: the TensorRT "
                 "of your JetPack, see README 'Jetson')")
+
+
+def check_alignment(entry: ModelEntry, role: str, error=PairError) -> None:
+    """New K/V are bound at slot offsets (`kv_offset`), which TensorRT needs 256-byte aligned: every slot
+    size must be a multiple of 256 bytes (Qwen2.5's 0.5B and 1.5B: 2 x 64 x 2 and 2 x 128 x 2). Refuse others."""
+    slot = entry.num_kv_heads * entry.head_dim * np.dtype(entry.dtype).itemsize
+    if slot % ALIGN:
+        raise error(f"the {role} model's KV slot is {slot} bytes ({entry.num_kv_heads} KV heads x head_dim "
+                    f"{entry.head_dim} x {np.dtype(entry.dtype).itemsize}), not a multiple of the {ALIGN} bytes "
+                    "TensorRT needs for its tensor addresses; run this pair with --device cuda")
+
+
+# TensorRT's ONNX parser: the operators it takes and the types of their data input, from onnx-tensorrt's
+# docs/operators.md (the TensorRT 8.5 matrix: newer releases accept more, so a graph passing this check
+# parses on the TensorRT of JetPack 6 and later). INT64 tensors count as INT32: the parser casts them down.
+# Only the operators a traced Llama-family graph can contain are listed; anything else is reported.
+_F, _I, _B = ("FP32", "FP16"), ("INT32",), ("BOOL",)
+PARSER_TYPES = {
+    "Add": _F + _I, "And": _B, "Cast": _F + _I + ("INT8",) + _B, "Concat": _F + _I + ("INT8",) + _B,
+    "Constant": _F + _I + ("INT8",) + _B, "ConstantOfShape": ("FP32",), "Cos": _F, "CumSum": _F, "Div": _F + _I,
+    "Equal": _F + _I, "Expand": _F + _I + _B, "Gather": _F + ("INT8",) + _I + _B, "Greater": _F + _I,
+    "GreaterOrEqual": _F + _I, "Identity": _F + _I + ("INT8",) + _B, "Less": _F + _I, "LessOrEqual": _F + _I,
+    "MatMul": _F, "Max": _F + _I, "Min": _F + _I, "Mul": _F + _I, "Neg": _F + _I, "Not": _B, "Or": _B, "Pow": _F,
+    "Range": _F + _I, "Reciprocal": _F, "ReduceMax": _F, "ReduceMean": _F, "ReduceSum": _F, "Reshape": _F + _I + ("INT8",) + _B,
+    "Shape": _F + _I + ("INT8",) + _B, "Sigmoid": _F + ("INT8",), "Sin": _F, "Slice": _F + _I + ("INT8",) + _B,
+    "Softmax": _F, "Split": _F + _I + _B, "Sqrt": _F, "Squeeze": _F + _I + ("INT8",) + _B, "Sub": _F + _I,
+    "Tanh": _F + ("INT8",), "Tile": _F + _I + _B, "Transpose": _F + _I + ("INT8",) + _B, "Trilu": _F + _I + ("INT8",) + _B,
+    "Unsqueeze": _F + _I + ("INT8",) + _B, "Where": _F + _I + _B,
+}
+
+
+def check_parser_support(onnx_path) -> list[str]:
+    """What in this graph TensorRT's ONNX parser refuses (PARSER_TYPES): one line per problem, [] if none.
+    Checked statically, with onnx's type inference, since no machine here has TensorRT."""
+    import onnx
+
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(onnx_path), load_external_data=False))
+    g = proto.graph
+    names = {0: "UNDEFINED", 1: "FP32", 10: "FP16", 16: "BF16", 6: "INT32", 7: "INT32", 3: "INT8", 2: "UINT8", 9: "BOOL",
+             11: "DOUBLE"}
+    types = {v.name: v.type.tensor_type.elem_type for v in (*g.input, *g.value_info, *g.output)}
+    types.update({t.name: t.data_type for t in g.initializer})
+    problems = []
+    for n in g.node:
+        if n.domain not in ("", "ai.onnx"):
+            problems.append(f"{n.op_type} ({n.domain}) is not an ONNX operator")
+            continue
+        if n.op_type not in PARSER_TYPES:
+            problems.append(f"{n.op_type} is not in the parser's operator table")
+            continue
+        # the tensor whose type the table gives: Where's branches, what ConstantOfShape/Constant make, else input 0
+        data = {"Where": n.input[1:2], "ConstantOfShape": n.output[:1], "Constant": n.output[:1]}.get(
+            n.op_type, n.input[:1])
+        data = data[0] if data else n.output[0]
+        t = names.get(types.get(data, 0), "UNDEFINED")
+        if t not in PARSER_TYPES[n.op_type]:
+            problems.append(f"{n.op_type} on {t} ({n.name or data}): the parser takes {', '.join(PARSER_TYPES[n.op_type])}")
+    return problems
 
 
 def require_tensorrt(error=ExportError):
@@ -141,7 +201,11 @@ def build_pair_engines(pair_dir, manifest: Manifest, prefill_chunk: int = 256, l
     for role, e in entries.items():
         if not e.portable:
             raise ExportError(f"the {role} graph uses onnxruntime contrib ops, which TensorRT cannot parse; "
-                              "export with --precision fp16")
+                              "export with --precision fp16 --engine tensorrt")
+        check_alignment(e, role, ExportError)
+        problems = check_parser_support(pair_dir / e.path)
+        if problems:
+            raise ExportError(f"TensorRT's ONNX parser would refuse the {role} graph: {'; '.join(problems[:3])}")
     capability, device = gpu_identity()
     cache_path = pair_dir / "timing.cache"
     meta = {"tensorrt_version": trt.__version__, "compute_capability": capability, "device_name": device,
@@ -150,14 +214,16 @@ def build_pair_engines(pair_dir, manifest: Manifest, prefill_chunk: int = 256, l
         profs = profiles(e, role, manifest.max_len, manifest.max_draft_len, prefill_chunk)
         plan = pair_dir / role / "model.plan"
         log(f"building the {role} TensorRT engine ({', '.join(p['name'] for p in profs)} profiles) ...")
-        build_engine(trt, pair_dir / e.path, profs, plan, cache_path, workspace)
+        build_engine(trt, pair_dir / e.path, profs, plan, cache_path, workspace, tf32=e.dtype != "float32")
         meta[role] = {"plan": f"{role}/model.plan", "sha256": sha256_file(plan), "profiles": profs}
     return replace(manifest, engines=meta)
 
 
-def build_engine(trt, onnx_path: Path, profs: list[dict], plan_path: Path, cache_path: Path, workspace: int) -> None:
+def build_engine(trt, onnx_path: Path, profs: list[dict], plan_path: Path, cache_path: Path, workspace: int,
+                 tf32: bool = True) -> None:
     """ONNX -> serialized engine: strongly typed (fp16 comes from the graph), one optimization profile
-    per entry of `profs`, a timing cache shared by the pair's builds."""
+    per entry of `profs`, a timing cache shared by the pair's builds. `tf32=False` (fp32 graphs): fp32
+    matmuls stay fp32, as the CUDA path keeps them (engines/ort._cuda_provider)."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
@@ -167,6 +233,8 @@ def build_engine(trt, onnx_path: Path, profs: list[dict], plan_path: Path, cache
         raise ExportError(f"TensorRT cannot parse {onnx_path}: {errs[:500]}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
+    if not tf32:
+        config.clear_flag(trt.BuilderFlag.TF32)
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
     config.set_timing_cache(cache, ignore_mismatch=False)
     names = {network.get_input(i).name for i in range(network.num_inputs)}
@@ -230,6 +298,7 @@ class TrtEngine:
         self.engine = self._runtime.deserialize_cuda_engine(blob)
         if self.engine is None:
             raise PairError(f"TensorRT could not load {plan}; rebuild with `specrt build-engines {pair_dir}`")
+        check_alignment(entry, role)
         self.entry, self.profiles = entry, info["profiles"]
         self.max_len, self.batch, self.length = manifest.max_len, 1, 0
         self.dtype = np.dtype(entry.dtype)
@@ -265,16 +334,17 @@ class TrtEngine:
         for name, arr in (("input_ids", tokens), ("position_ids", positions), ("attention_mask", mask),
                           ("logit_positions", logit_positions)):
             self._copy_in(name, arr)
-            ctx.set_input_shape(name, arr.shape)
-            ctx.set_tensor_address(name, self._in[name])
+            _set(ctx.set_input_shape(name, arr.shape), "set_input_shape", name, arr.shape)
+            _set(ctx.set_tensor_address(name, self._in[name]), "set_tensor_address", name)
         at = kv_offset(P, 1, e.num_kv_heads, e.head_dim, self.dtype.itemsize)
         for layer in range(e.num_layers):
             pk, pv, nk, nv = e.kv_names(layer)
             for past, new, buf in ((pk, nk, self.keys[layer]), (pv, nv, self.values[layer])):
-                ctx.set_input_shape(past, (P, 1, e.num_kv_heads, e.head_dim))
-                ctx.set_tensor_address(past, buf)
-                ctx.set_tensor_address(new, buf + at)  # the engine writes the new entries into the cache
-        ctx.set_tensor_address("logits", self._logits_dev)
+                _set(ctx.set_input_shape(past, (P, 1, e.num_kv_heads, e.head_dim)), "set_input_shape", past, P)
+                _set(ctx.set_tensor_address(past, buf), "set_tensor_address", past)
+                # the engine writes the new entries into the cache (aligned: check_alignment)
+                _set(ctx.set_tensor_address(new, buf + at), "set_tensor_address", new)
+        _set(ctx.set_tensor_address("logits", self._logits_dev), "set_tensor_address", "logits")
         if not ctx.execute_async_v3(self.stream):
             raise PairError("TensorRT execution failed (see its log above)")
         out = self._logits[:N]
@@ -318,3 +388,13 @@ class TrtEngine:
         for b in getattr(self, "_bufs", []):
             self._rt.cudaFree(b)
         self._bufs, self.contexts, self.engine = [], [], None
+        if getattr(self, "stream", None) is not None:
+            self._rt.cudaStreamDestroy(self.stream)
+            self.stream = None
+
+
+def _set(ok, what: str, name: str, detail=None) -> None:
+    """TensorRT's setters return False (and log why) instead of raising: an unchecked one leaves the
+    context with a stale shape or address."""
+    if not ok:
+        raise PairError(f"TensorRT {what}({name}{'' if detail is None else f', {detail}'}) was refused (see its log above)")

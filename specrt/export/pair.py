@@ -24,7 +24,10 @@ class ExportConfig:
     target: str
     draft: str | None
     out: Path
-    precision: str = "fp32"  # fp32 | int4 (CPU, edge) | fp16 (GPU: standard ops, see graph.DeltaKVDecoder)
+    precision: str = "fp32"  # weights: fp32 | int4 (MatMulNBits: CPU, edge) | fp16 (GPU)
+    # the activations' and caches' dtype: fp16 for a GPU (fp16 weights, or int4 weights on an edge GPU);
+    # "" = fp16 for fp16 weights, else fp32 (what the CPU runs fastest)
+    activations: str = ""
     max_len: int = 2048
     max_draft_len: int = 8
     block_size: int = 128  # int4: weights per quantization block (128: ~23% faster steps than 32 here, see README)
@@ -32,18 +35,35 @@ class ExportConfig:
     symmetric: bool = False  # int4: False = a 4-bit zero point per block too (closer to the weights, same speed)
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
-    portable: bool = False  # standard ONNX ops only (implied by fp16 and tensorrt): fp32 graphs for a GPU
+    portable: bool = False  # the standard-op graph (graph.PortableDecoder; implied by tensorrt) instead of the lean one
+    # lean graphs: GroupQueryAttention's query_seqlens input (onnxruntime >= 1.32: several multi-token rows
+    # in one call); None = whether the onnxruntime exporting has it
+    query_seqlens: bool | None = None
     engine: str = "none"  # "tensorrt": also build TensorRT engines (engines/trt.py) next to the graphs
     prefill_chunk: int = 256  # tensorrt: the prefill profile's widest chunk; longer prompts run in chunks
     overwrite: bool = False
+
+    @property
+    def dtype(self) -> str:
+        """numpy name of the activations' and caches' dtype."""
+        return "float16" if self.precision == "fp16" or self.activations == "fp16" else "float32"
+
+    @property
+    def graph(self) -> str:
+        return "portable" if self.portable or self.engine == "tensorrt" else "lean"
 
     def __post_init__(self):
         if self.precision not in ("fp32", "fp16", "int4"):
             raise ExportError(f"unknown precision {self.precision!r}; choose fp32, fp16 or int4")
         if self.engine not in ("none", "tensorrt"):
             raise ExportError(f"unknown engine {self.engine!r}; choose none or tensorrt")
+        if self.activations not in ("", "fp32", "fp16"):
+            raise ExportError(f"unknown activations {self.activations!r}; choose fp32 or fp16")
+        if (self.precision, self.activations) in (("fp32", "fp16"), ("fp16", "fp32")):
+            raise ExportError(f"--activations {self.activations} does not go with --precision {self.precision} "
+                              "(fp16 activations: --precision fp16, or int4 for an edge GPU)")
         if self.portable and self.precision == "int4":
-            raise ExportError("int4 graphs use onnxruntime's CPU-oriented MatMulNBits; a portable graph is fp32 or fp16")
+            raise ExportError("int4 graphs use onnxruntime's MatMulNBits; a portable graph is fp32 or fp16")
         if self.engine == "tensorrt" and self.precision == "int4":
             raise ExportError("TensorRT engines are built from fp16 or fp32 graphs (int4 here is onnxruntime's "
                               "MatMulNBits); use --precision fp16")
@@ -128,6 +148,7 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
             target=_relative(entries["target"], "target"),
             draft=_relative(entries["draft"], "draft") if "draft" in entries else None,
             tokenizer_files=tuple(n for n in TOKENIZER_FILES if (tmp / n).is_file()),
+            kv_layout=entries["target"].kv_layout,
             created_by=f"specrt {_version()}",
         )
         if cfg.engine == "tensorrt":
@@ -253,10 +274,14 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     from specrt.export import graph, load
 
     folder.mkdir()
-    model = load.load_model(src, "float16" if cfg.precision == "fp16" else "float32")
+    model = load.load_model(src, cfg.dtype)
     path = folder / "model.onnx"
-    portable = cfg.portable or cfg.precision == "fp16" or cfg.engine == "tensorrt"
-    wrapper = graph.export_onnx(model, path, cfg.max_len, output_ids, portable=portable)
+    if cfg.graph == "lean":
+        q_lens = graph.gqa_has_query_seqlens() if cfg.query_seqlens is None else cfg.query_seqlens
+        # rotary tables for every position a cache holds: batch caches have max_draft_len + 1 slots spare
+        wrapper = graph.export_lean(model, path, cfg.max_len + cfg.max_draft_len + 1, output_ids, q_lens)
+    else:
+        wrapper = graph.export_portable(model, path, cfg.max_len, output_ids)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
                 num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
                 logits_width=int(model.config.vocab_size) if output_ids is None else len(output_ids))
@@ -275,14 +300,19 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     files = {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
     inputs, outputs = _io_spec(proto.graph.input), _io_spec(proto.graph.output)
     # The tracer leaves dims symbolic where shape inference stops (at contrib ops); the config fixes them.
+    Hkv, D = spec["num_kv_heads"], spec["head_dim"]
     for io in (inputs, outputs):
         for name, v in io.items():
-            if name.startswith(("past_", "new_")):
-                v["shape"] = [v["shape"][0], "batch", spec["num_kv_heads"], spec["head_dim"]]
-    outputs["logits"]["shape"] = ["batch", "n_logits", spec["logits_width"]]
-    return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision,
-                      dtype="float16" if cfg.precision == "fp16" else "float32", inputs=inputs, outputs=outputs,
-                      quantization=quant, portable=portable, **spec)
+            if name.startswith(("past_", "present_")):
+                v["shape"] = ["batch", Hkv, "capacity", D]
+            elif name.startswith("new_"):
+                v["shape"] = ["seq", "batch", Hkv, D]
+            if cfg.graph == "portable" and name.startswith("past_"):
+                v["shape"] = ["past", "batch", Hkv, D]
+    outputs["logits"]["shape"] = (["n_logits", spec["logits_width"]] if cfg.graph == "lean"
+                                  else ["batch", "n_logits", spec["logits_width"]])
+    return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision, dtype=cfg.dtype,
+                      inputs=inputs, outputs=outputs, quantization=quant, graph=cfg.graph, **spec)
 
 
 def _consolidate(path: Path) -> None:

@@ -5,53 +5,41 @@ seed, stop strings, max_new_tokens, a fixed draft_len 0..max_draft_len, drafter 
 hybrid): it accepts its own number of draft tokens per round (ragged), stops on its own (EOS, its
 stop strings, its max_new_tokens), and a finished slot is refilled from the request queue at once,
 so the batch stays full until the queue runs dry. A round is: draft passes (one per drafted
-position, shared by every row still drafting; rows done drafting are padded), one verify pass
-shared by all rows, then accept/commit per row. A pass costs more at batch B than at batch 1; what
+position, shared by every row still drafting; rows done drafting sit out), one verify pass shared
+by all rows, then accept/commit per row. A pass costs more at batch B than at batch 1; what
 batching buys is aggregate tokens/s.
 
 Design
 ------
-*Engines.* Per model, one batch-B `OrtEngine` that shares the pair's already-loaded onnxruntime
-session (the weights are not loaded twice), with its own KV buffers `[cache_len, B, Hkv, D]`.
+*Engines.* Per model, one batch-B lean engine (engines/ort.LeanEngine) that shares the pair's
+already-loaded onnxruntime session (the weights are not loaded twice), with its own caches
+`[B, Hkv, C, D]`, C = max_len + max_draft_len + 1. The lean graph gives every row its own length: a
+pass appends each row's tokens at that row's length (right-padded to the widest row; the padding is
+never written), and a row that rejects drafts simply gets a shorter length. The caches are never
+copied or compacted; the C - max_len spare slots are room for a padded pass at a full row.
 
-*Ragged cache, one shared slot index.* A forward writes every row's new K/V at the same slots
-`P..P+S-1` (P = the engine's length). Each row keeps the list of slots that hold its sequence, in
-order, and a validity mask over slots; its next position id is the number of its valid slots. Rows
-with fewer new tokens than S are padded (pad slots get mask 0, so nobody ever attends to them); a
-row that rejects drafts drops their slots from its list and masks them from then on. After each
-commit the shared length moves back to just past the highest slot any row still uses, so slots
-that every row rejected are reused at once. Verify passes right-pad (row r's k_r+1 logits sit at
-0..k_r), draft passes left-pad (every row's last token, whose logits are wanted, is at S-1).
+*Refill.* A new request's prompt is prefilled by a batch-1 pass over its own row of the batch caches
+(`LeanEngine.row`): the pass a lone run makes, with the same inputs, so its first token is the lone
+run's, and nothing else is computed or copied.
 
-*Refill.* A new request's prompt is prefilled by the pair's own batch-1 engines (exactly the pass a
-lone run makes, so its first token is bitwise the lone run's), and that prompt's K/V `[L]` is copied
-into the row's slots 0..L-1 (its previous sequence is finished, so those slots are free for it).
-This costs one copy of the prompt's K/V, consumes no slot of the other rows and computes no padded
-B-row prefill. If L is beyond the shared length, the length grows to L (those slots are invalid
-for every other row).
+*onnxruntime before 1.32* has no GroupQueryAttention `query_seqlens`: one call then cannot give
+several rows several tokens each, and the engine runs such passes (verifies, catch-ups) one row at a
+time; one-token passes (draft steps, plain decoding) stay batched.
 
-*Compaction.* The shared index only grows by what the widest row keeps (1 + max accepted per
-round), but the buffers are finite: when the next pass would not fit, every row's valid slots are
-moved to the front (the one copy of cache contents; amortized: it happens once per roughly
-(cache_len - longest row) / (rounds' waste) rounds, and rows already packed are not moved). The
-batch caches have `max_draft_len + 1` slots more than the pair's max_len and no pass is wider than
-that (a lagging hybrid draft catches up in chunks), so after compaction every pass fits: each
-request is checked against max_len exactly as a lone run is.
-
-*Idle rows.* When the queue is empty, finished rows ride along with pad tokens (the batch
-dimension of the buffers is fixed); the tail of a job therefore runs below full batch.
+*Idle rows.* When the queue is empty, finished rows sit out of every pass; the tail of a job therefore
+runs below full batch.
 
 *Exactness.* Each row has its own `np.random.Generator(seed)` and draws exactly as
 `runtime.decode.decode` would for that request alone: one uniform for the first token, one per
 drafted token, k+1 for the accept test, in the same order, with the same k per round (fixed
 draft_len, limited by the tokens left). So a row's output equals its lone output whenever the
 logits agree: token for token in greedy, and draw for draw in sampling. Batched passes can differ
-from batch-1 passes in the last bits (other GEMM shapes, masked slots in the softmax sums); on
-fp32 models that changes nothing but an exact near-tie (the tests find none); int4 at accuracy
-level 4 rounds differently per batch shape (see the README), so there greedy batch and lone text can
-part at a near-tie, both faithful to the weights. `draft_len="auto"` is not supported (its choices
-depend on per-request timings). Nor is a draft catch-up window: a row's draft reads its prompt whole
-at refill and drafts every round at its fixed length, so a row equals a lone run with draft_window=0.
+from batch-1 passes in the last bits (other GEMM shapes); on fp32 models that changes nothing but an
+exact near-tie (the tests find none); int4 at accuracy level 4 rounds differently per batch shape
+(see the README), so there greedy batch and lone text can part at a near-tie, both faithful to the
+weights. `draft_len="auto"` is not supported (its choices depend on per-request timings). Nor is a
+draft catch-up window: a row's draft reads its prompt whole at refill and drafts every round at its
+fixed length, so a row equals a lone run with draft_window=0.
 """
 from __future__ import annotations
 
@@ -69,7 +57,7 @@ from specrt.runtime import sampling
 from specrt.runtime.decode import Stats
 from specrt.runtime.drafters import HybridDrafter, NgramDrafter, expand_logits, greedy_pick
 
-PAD_ID = 0  # token fed in padded positions (their slots are masked; any id would do)
+PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
 
 
 @dataclass(frozen=True)
@@ -94,7 +82,6 @@ class BatchTotals:
     proposed: int = 0
     accepted: int = 0
     row_rounds: int = 0  # sum over verify passes of the rows taking part
-    compactions: int = 0
     wall_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -106,14 +93,17 @@ class BatchTotals:
 
 
 def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
-    """An OrtEngine of batch `batch` with its own KV buffers over the loaded session of engine `base`."""
-    from specrt.engines.ort import OrtEngine
+    """A lean engine of batch `batch` with its own caches over the loaded session of engine `base`."""
+    from specrt.engines.ort import LeanEngine
 
-    if getattr(base, "device", None) != "cpu":
-        # The ragged cache moves rows with numpy (load_row, compact); GPU buffers would need device copies.
-        raise ConfigError(f"batched decoding runs on the CPU for now, this pair is loaded on {getattr(base, 'device', '?')}; "
-                          "load it with device='cpu' (--device cpu)")
-    return OrtEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session)
+    if not isinstance(base, LeanEngine):
+        kind = {"portable": "standard-op (TensorRT) graphs", "contrib": "graphs of an older specrt"}.get(
+            base.entry.graph, f"{base.entry.graph} graphs")
+        where = "TensorRT engines run one sequence" if getattr(base, "device", "") == "tensorrt" else f"this pair has {kind}"
+        raise ConfigError(f"batched decoding runs on the lean onnxruntime graph, and {where}; "
+                          "re-export the pair with this specrt (without --engine tensorrt), or use --batch-size 1")
+    return LeanEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session,
+                      device=base.device, device_id=base.device_id, cuda_graph=base.captures)
 
 
 def kv_bytes(m, batch: int, cache_len: int) -> int:
@@ -122,87 +112,52 @@ def kv_bytes(m, batch: int, cache_len: int) -> int:
                for e in (m.target, m.draft) if e is not None)
 
 
-def _check_memory(m, batch: int, cache_len: int) -> None:
+def _check_memory(m, batch: int, cache_len: int, device: str = "cpu") -> None:
     """Refuse a batch whose KV caches do not fit in the memory available now (when that is known)."""
-    from specrt.runtime.memory import available_bytes
+    from specrt.runtime.memory import available_bytes, fmt, gpu_free_bytes
 
-    avail = available_bytes()
+    avail = gpu_free_bytes() if device == "cuda" else available_bytes()
     need = kv_bytes(m, batch, cache_len)
     if avail is not None and need > avail:
         fits = max(0, batch * avail // need)
-        raise ConfigError(f"a batch of {batch} needs {need >> 20} MB of KV cache (max_len {m.max_len}), "
-                          f"{avail >> 20} MB are available; use a batch size <= {fits}" if fits else
-                          f"a batch of {batch} needs {need >> 20} MB of KV cache, {avail >> 20} MB are available")
+        where = "GPU memory" if device == "cuda" else "memory"
+        raise ConfigError(f"a batch of {batch} needs {fmt(need)} of KV cache (max_len {m.max_len}), "
+                          f"{fmt(avail)} of {where} are available; "
+                          + (f"use a batch size <= {fits}" if fits else "use a smaller batch or a shorter --max-len"))
 
 
-class RaggedCache:
-    """A batch engine plus, per row, the slots of its sequence (see the module docstring)."""
+class Rows:
+    """A batch engine's rows, each holding its own sequence (see the module docstring)."""
 
     def __init__(self, engine, max_width: int):
         self.e = engine
-        self.max_width = max_width  # widest pass allowed; the buffers have room for it after compaction
-        self.valid = np.zeros((engine.batch, engine.max_len), np.int64)  # attention mask over slots
-        self.slots: list[list[int]] = [[] for _ in range(engine.batch)]
-        self.compactions = 0
+        self.max_width = max_width  # widest pass: longer catch-ups go in chunks
         self.passes = 0
 
     def count(self, r: int) -> int:
-        """Tokens of row r's sequence in the cache (= the position id of its next token)."""
-        return len(self.slots[r])
+        """Tokens of row r's sequence in the cache (= the position of its next token)."""
+        return int(self.e.lengths[r])
 
-    def load_row(self, r: int, src, n: int) -> None:
-        """Row r := the first n slots of batch-1 engine `src` (a fresh prefill) at slots 0..n-1."""
-        self.release(r)
-        e = self.e
-        if n > e.length:  # slots length..n-1 are invalid for every other row (nothing past length is valid)
-            e.length = n
-        for dst, s in zip((*e.keys, *e.values), (*src.keys, *src.values)):
-            dst[:n, r] = s[:n, 0]
-        self.valid[r, :n] = 1
-        self.slots[r] = list(range(n))
+    def prefill(self, r: int, prompt: list[int]) -> np.ndarray:
+        """Row r := `prompt`, read by a batch-1 pass over the row; returns the last position's logits [W]."""
+        row = self.e.row(r)
+        row.truncate(0)
+        return row.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0]
 
     def reset(self) -> None:
         """Forget every row (after an interrupted run)."""
-        self.valid[:] = 0
-        self.slots = [[] for _ in self.slots]
         self.e.truncate(0)
 
     def release(self, r: int) -> None:
-        self.valid[r, self.slots[r]] = 0
-        self.slots[r] = []
+        self.e.set_length(r, 0)
 
     def keep(self, r: int, n: int) -> None:
-        """Row r keeps the first n tokens of its sequence; the slots of the rest are masked from now on."""
-        drop = self.slots[r][n:]
-        if drop:
-            self.valid[r, drop] = 0
-            del self.slots[r][n:]
+        """Row r keeps the first n tokens of its sequence."""
+        self.e.set_length(r, min(n, self.count(r)))
 
-    def shrink(self) -> None:
-        """Move the shared length back to just past the highest slot any row still uses."""
-        top = max((s[-1] + 1 for s in self.slots if s), default=0)
-        if top < self.e.length:
-            self.e.truncate(top)
-
-    def compact(self) -> None:
-        """Move every row's valid slots to the front (slots are increasing in sequence order)."""
-        e = self.e
-        for r, s in enumerate(self.slots):
-            n = len(s)
-            if n == 0 or s[-1] == n - 1:
-                continue  # already packed
-            idx = np.asarray(s)
-            for buf in (*e.keys, *e.values):
-                buf[:n, r] = buf[idx, r]  # fancy indexing reads a copy first: overlap is safe
-            self.valid[r] = 0
-            self.valid[r, :n] = 1
-            self.slots[r] = list(range(n))
-        e.truncate(max((len(s) for s in self.slots), default=0))
-        self.compactions += 1
-
-    def forward(self, feeds: dict[int, list[int]], last: bool) -> np.ndarray:
-        """Append feeds[r] to row r (rows not in feeds are padded). Returns logits [B, N, W] (a view):
-        last=True: N = 1, each row's last fed token (left padding); else all S positions (right padding)."""
+    def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+        """Append feeds[r] to row r (other rows sit out). Returns {r: logits [n, W]}: last=True, n = 1 (the
+        row's last fed token); else every fed position."""
         if last and any(len(t) > self.max_width for t in feeds.values()):
             # A draft that fell behind (hybrid rounds without model passes) catches up in chunks.
             feeds = dict(feeds)
@@ -211,27 +166,25 @@ class RaggedCache:
                 feeds.update({r: t[self.max_width:] for r, t in long.items()})
         return self._call(feeds, last)
 
-    def _call(self, feeds: dict[int, list[int]], last: bool) -> np.ndarray:
+    def _call(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
         e = self.e
         S = max(len(t) for t in feeds.values())
         if S > self.max_width:
             raise ValueError(f"pass of width {S} > {self.max_width}")
-        if e.length + S > e.max_len:
-            self.compact()
-        P = e.length
         tokens = np.full((e.batch, S), PAD_ID, np.int64)
-        pos = np.zeros((e.batch, S), np.int64)
-        for r, toks in feeds.items():
-            n = len(toks)
-            off = S - n if last else 0
-            c = len(self.slots[r])
-            tokens[r, off:off + n] = toks
-            pos[r, off:off + n] = np.arange(c, c + n)
-            self.valid[r, P + off:P + off + n] = 1
-            self.slots[r].extend(range(P + off, P + off + n))
+        counts = np.zeros(e.batch, np.int64)
+        rows, index = sorted(feeds), []
+        for r in rows:
+            n = len(feeds[r])
+            tokens[r, :n], counts[r] = feeds[r], n
+            index.extend([r * S + n - 1] if last else range(r * S, r * S + n))
         self.passes += 1
-        lp = np.array([S - 1]) if last else np.arange(S)
-        return e.forward(tokens, lp, pos, self.valid[:, : P + S])
+        logits = e.forward_ragged(tokens, counts, np.array(index, np.int64))  # [N, W]
+        out, at = {}, 0
+        for r in rows:
+            n = 1 if last else len(feeds[r])
+            out[r], at = logits[at:at + n], at + n
+        return out
 
     def close(self) -> None:
         self.e.close()
@@ -267,31 +220,29 @@ class _Row:
 class BatchDecoder:
     """Speculative decoding of many requests over a batch of `batch_size` slots.
 
-    Borrows the pair's batch-1 engines for prefills (do not call `pair.generate` while `run` is
-    being iterated) and builds batch engines over the pair's loaded sessions.
+    Holds the pair while `run` is iterated (a `pair.generate` meanwhile raises ConfigError) and builds
+    batch engines over the pair's loaded sessions, on the pair's device.
     """
 
-    def __init__(self, pair, batch_size: int, cache_len: int | None = None):
+    def __init__(self, pair, batch_size: int):
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.pair, self.B = pair, batch_size
         m = pair.manifest
         self.vocab, self.eos = m.vocab_size, frozenset(m.eos_token_ids)
         self.width = m.max_draft_len + 1
-        self.cache_len = cache_len or m.max_len + self.width
-        if self.cache_len < m.max_len + self.width:
-            raise ConfigError(f"cache_len must be >= max_len + max_draft_len + 1 = {m.max_len + self.width}")
-        _check_memory(m, batch_size, self.cache_len)
+        self.cache_len = m.max_len + self.width  # the rotary tables of a lean graph cover this many positions
+        _check_memory(m, batch_size, self.cache_len, getattr(pair.target, "device", "cpu"))
         target = batch_engine(pair.dir, pair.target, self.cache_len, self.width, batch_size)
-        self.target = RaggedCache(target, self.width)
+        self.target = Rows(target, self.width)
         self._draft = None  # made on first need: a target-only job allocates no draft cache
         self.totals = BatchTotals(batch_size=batch_size)
 
     @property
-    def draft(self) -> RaggedCache:
+    def draft(self) -> Rows:
         if self._draft is None:
             draft = batch_engine(self.pair.dir, self.pair.draft, self.cache_len, 1, self.B)
-            self._draft = RaggedCache(draft, self.width)
+            self._draft = Rows(draft, self.width)
         return self._draft
 
     def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
@@ -309,7 +260,7 @@ class BatchDecoder:
             if cache is not None:
                 cache.reset()  # rows of a run that was abandoned midway
         exhausted = False
-        t0, c0 = time.perf_counter(), self._counters()
+        t0, c0 = time.perf_counter(), self._draft_passes()
         hold = getattr(self.pair, "exclusive", None)  # the pair's batch-1 engines are ours while this runs
         try:
             with hold() if hold is not None else contextlib.nullcontext():
@@ -334,14 +285,11 @@ class BatchDecoder:
                             rows[r] = None
                             yield self._finish(r, row)
         finally:
-            c1 = self._counters()
             self.totals.wall_s += time.perf_counter() - t0
-            self.totals.compactions += c1[0] - c0[0]
-            self.totals.draft_passes += c1[1] - c0[1]
+            self.totals.draft_passes += self._draft_passes() - c0
 
-    def _counters(self) -> tuple[int, int]:
-        d = self._draft
-        return self.target.compactions + (d.compactions if d else 0), d.passes if d else 0
+    def _draft_passes(self) -> int:
+        return self._draft.passes if self._draft else 0
 
     def _pick(self, row: _Row, logits: np.ndarray) -> int:
         if row.cfg.sampling.greedy:
@@ -357,19 +305,13 @@ class BatchDecoder:
         row = _Row(req=req, stream=TextStream(self.pair.codec, cfg.stop), start=time.perf_counter(),
                    rng=np.random.default_rng(cfg.seed), seq=list(prompt),
                    stats=Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt)))
-        t1 = self.pair.target
-        t1.truncate(0)
-        x = self._pick(row, t1.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0, : self.vocab])
-        self.target.load_row(r, t1, len(prompt))
+        x = self._pick(row, self.target.prefill(r, prompt)[: self.vocab])
         self.totals.prefills += 1
         row.stats.target_passes += 1
         row.stats.ttft_s = time.perf_counter() - row.start
         if row.uses_draft_cache:
-            d1 = self.pair.draft
-            d1.truncate(0)
-            d1.forward(np.array([prompt]), np.array([len(prompt) - 1]))
-            self.draft.load_row(r, d1, len(prompt))  # not counted in the row's draft_passes: alone, the
-            # prompt is read by the first draft step's pass, so both count one pass per drafted token
+            self.draft.prefill(r, prompt)  # not counted in the row's draft_passes: alone, the prompt is read
+            # by the first draft step's pass, so both count one pass per drafted token
         elif self._draft is not None:
             self._draft.release(r)
         self.totals.requests += 1
@@ -397,10 +339,8 @@ class BatchDecoder:
         from specrt.runtime.pair import Result
 
         self.target.release(r)
-        self.target.shrink()
         if self._draft is not None:
             self._draft.release(r)
-            self._draft.shrink()
         row.stream.finish()
         tokens = row.out
         if row.stream.stopped:
@@ -439,7 +379,7 @@ class BatchDecoder:
             feeds = {r: (row.seq[draft.count(r):] if step == 0 else [row.d[-1]]) for r, row in drafting}
             logits = draft.forward(feeds, last=True)
             for r, row in drafting:
-                rows, ids = logits[r, 0], self.pair.draft_ids  # [W]
+                rows, ids = logits[r][0], self.pair.draft_ids  # [W]
                 cfg = row.cfg
                 if cfg.sampling.greedy:
                     t, top = greedy_pick(rows, ids, self.vocab, bool(cfg.confidence_stop))
@@ -468,7 +408,7 @@ class BatchDecoder:
         # 4. Accept per row, commit per row, emit.
         for r, row in active:
             cfg, st, kn = row.cfg, row.stats, len(row.d)
-            lg = logits[r, : kn + 1, : self.vocab]
+            lg = logits[r][:, : self.vocab]  # [k+1, V]
             d = np.array(row.d, np.int64)
             if cfg.sampling.greedy:
                 n, t = sampling.accept_greedy(d, lg)
@@ -487,9 +427,6 @@ class BatchDecoder:
             self.totals.proposed += kn
             self.totals.accepted += n
             self._emit(row, row.d[:n] + [t])
-        self.target.shrink()
-        if self._draft is not None:
-            self._draft.shrink()
 
     def close(self) -> None:
         self.target.close()

@@ -446,8 +446,9 @@ def _log(msg: str) -> None:
 def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettings(), batch_size: int | str = "auto",
             overwrite: bool = False, ray_address: str | None = None, ray_actors: int | None = None,
             ray_cpus_per_actor: int = 1, ray_init: dict | None = None, progress: bool = True, log=None,
-            threads: int | None = None) -> dict:
-    """Run (or resume) a batch job. Returns a summary dict. See the module docstring."""
+            threads: int | None = None, device: str = "auto") -> dict:
+    """Run (or resume) a batch job. Returns a summary dict. See the module docstring.
+    `device`: where the pair runs ("auto", "cpu", "cuda"; Ray actors run on their CPUs)."""
     from specrt.runtime.text import TextCodec
 
     log = log or _log
@@ -477,7 +478,11 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         if pending and ray_address is None:
             from specrt.runtime.pair import load
 
-            pair = load(pair_dir, threads=threads, device="cpu")  # batching runs on the CPU (batch.batch_engine)
+            if device not in ("auto", "cpu", "cuda"):
+                raise ConfigError(f"batched decoding runs on onnxruntime: device auto, cpu or cuda, not {device!r}")
+            pair = load(pair_dir, threads=threads, device=device)
+            for note in pair.notes:
+                log(f"note: {note}")
         elif pending:
             ray, own_ray = _ray_start(ray_address, ray_init)
         for r in todo:

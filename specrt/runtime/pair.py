@@ -137,8 +137,17 @@ class Pair:
         if top != m.vocab_size:
             raise PairError(f"{self.dir / 'tokenizer.json'} does not match the manifest: its ids go up to {top - 1}, "
                             f"the pair's vocabulary has {m.vocab_size} ids (replaced tokenizer?); re-export the pair")
-        self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
-        self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
+        try:
+            self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
+            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
+        except PairError as e:
+            if not (device == "auto" and self.device == "tensorrt" and m.for_gpu):
+                raise
+            self._release()  # auto on a pair whose engines do not load here: its graphs run on CUDA
+            self.target = self.draft = None
+            self.device, self.device_note = "cuda", f"TensorRT engines not used: {e}; running on onnxruntime's CUDA provider"
+            self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
+            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
         self.costs = CostModel()  # measured pass times on this machine, shared by all requests
@@ -209,6 +218,13 @@ class Pair:
         self._check_open()
         self._check_request(ids, cfg)
         return Stream(self, ids, cfg, fn)
+
+    @property
+    def notes(self) -> list[str]:
+        """What a user should know about how this pair runs here: why auto kept a GPU pair off the GPU or off
+        TensorRT, why CUDA graphs are off. The CLI prints them on stderr."""
+        found = [self.device_note] + [getattr(e, "note", None) for e in (self.target, self.draft)]
+        return list(dict.fromkeys(n for n in found if n))
 
     @property
     def default_drafter(self) -> str:
@@ -484,13 +500,12 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
     """The device a pair runs on, and a note when "auto" stays on the CPU although the pair is made for a GPU.
 
     auto: TensorRT when the pair has engines and TensorRT loads, else onnxruntime's CUDA provider when the
-    graphs are portable (fp16) and a CUDA device is visible, else the CPU. An explicit device that cannot
-    work is a ConfigError/PairError with the reason, never a silent fallback."""
+    graphs can run there (fp16 activations) and a CUDA device is visible, else the CPU. An explicit device
+    that cannot work is a ConfigError/PairError with the reason, never a silent fallback."""
     from specrt.engines.ort import cuda_available
 
     if requested not in DEVICES:
         raise ConfigError(f"unknown device {requested!r}; choose one of {', '.join(DEVICES)}")
-    portable = m.portable
     if requested == "cpu":
         return "cpu", None
     if requested == "tensorrt":
@@ -498,15 +513,17 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
             raise PairError(f"{pair_dir} has no TensorRT engines; build them with `specrt build-engines {pair_dir}` "
                             "(an fp16 pair: `specrt export --precision fp16 --engine tensorrt`)")
         return "tensorrt", None
-    if requested == "auto" and not portable and not m.engines:
+    if requested == "auto" and not m.for_gpu and not m.engines:
         return "cpu", None  # a CPU pair: nothing to look for, nothing to note
     why = cuda_available()
     if requested == "cuda":
         if why:
             raise PairError(f"cannot run on cuda: {why}")
-        if not portable:
-            raise PairError(f"{pair_dir} was exported for the CPU (onnxruntime contrib ops); export it with "
-                            "--precision fp16 to run on a GPU")
+        if not m.for_gpu:
+            old = any(e.graph == "contrib" for e in m.entries())
+            raise PairError(f"{pair_dir} was exported for the CPU ("
+                            + ("onnxruntime CPU ops of an older specrt" if old else "fp32 activations")
+                            + "); export it with --precision fp16, or --precision int4 --activations fp16, for a GPU")
         return "cuda", None
     if m.engines and not why:
         try:
@@ -514,9 +531,9 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
             return "tensorrt", None
         except ImportError:
             pass
-    if portable and not why:
+    if m.for_gpu and not why:
         return "cuda", None
-    return "cpu", f"running on the CPU: this pair is made for a GPU, but {why}"
+    return "cpu", f"running on the CPU: this pair is made for a GPU, but {why or 'TensorRT is not installed'}"
 
 
 def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
@@ -525,9 +542,9 @@ def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
         from specrt.engines.trt import TrtEngine
 
         return TrtEngine(pair_dir, entry, role, m, max_logits)
-    from specrt.engines.ort import OrtEngine
+    from specrt.engines.ort import ort_engine
 
-    return OrtEngine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device)
+    return ort_engine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device)
 
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
