@@ -49,6 +49,7 @@ def test_manifest_describes_the_pair(request, model_type):
             assert e["inputs"][n]["dtype"] == "int64"
         for n in ("seqlens_k", "query_seqlens"):
             assert n not in e["inputs"] or e["inputs"][n] == {"dtype": "int32", "shape": ["batch"]}
+        assert e["inputs"]["total_sequence_length"] == {"dtype": "int32", "shape": [1]}
         assert e["inputs"]["input_ids"]["shape"] == ["batch", "seq"]
         assert e["inputs"]["logit_index"]["shape"] == ["n_logits"]
         assert e["outputs"]["logits"] == {"dtype": "float32", "shape": ["n_logits", width]}

@@ -289,6 +289,7 @@ class LeanEngine(_Base):
         self.ragged = "query_seqlens" in entry.inputs
         self._row_bytes = entry.num_kv_heads * max_len * entry.head_dim * self.dtype.itemsize
         self._offset = 0  # byte offset of row 0 within the buffers (a row view's row)
+        self._total = np.array([max_len], np.int32)  # slots per row: every length's upper bound
         self._graphs = _CudaGraphs(self) if self.captures else None
         self._rows: dict[int, LeanEngine] = {}
 
@@ -338,7 +339,8 @@ class LeanEngine(_Base):
     def _inputs(self, tokens, counts) -> dict[str, np.ndarray]:
         seqlens = self.lengths + (counts if self.ragged else tokens.shape[1]) - 1
         feeds = {"input_ids": np.ascontiguousarray(tokens, np.int64),
-                 "seqlens_k": np.maximum(seqlens, 0).astype(np.int32)}  # an idle empty row: one slot, unused
+                 "seqlens_k": np.maximum(seqlens, 0).astype(np.int32),  # an idle empty row: one slot, unused
+                 "total_sequence_length": self._total}
         if self.ragged:
             feeds["query_seqlens"] = counts.astype(np.int32)
         return feeds
@@ -425,7 +427,9 @@ class _CudaGraphs:
         if key not in self.ids:
             self.ids[key] = len(self.ids) + 1  # 0 and -1 mean "no graph" to onnxruntime
             feeds = e._inputs(tokens, counts)
-            bufs = {n: ort.OrtValue.ortvalue_from_numpy(v, dev, did) for n, v in feeds.items()}
+            # attention reads the bound on the host: kept there, it needs no copy node (which capture forbids)
+            bufs = {n: ort.OrtValue.ortvalue_from_numpy(v, *(("cpu", 0) if n == "total_sequence_length" else (dev, did)))
+                    for n, v in feeds.items()}
             bufs["logit_index"] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(logit_index, np.int64), dev, did)
             bufs["logits"] = ort.OrtValue.ortvalue_from_shape_and_type([key[2], e.entry.logits_width], np.float32, dev, did)
             io = e.session.io_binding()
@@ -437,7 +441,16 @@ class _CudaGraphs:
         else:
             bufs = self.bufs[key]
             for n, v in e._inputs(tokens, counts).items():
-                bufs[n].update_inplace(v)
+                if n != "total_sequence_length":
+                    bufs[n].update_inplace(v)
             bufs["logit_index"].update_inplace(np.ascontiguousarray(logit_index, np.int64))
-        e.session.run_with_iobinding(bufs["io"], _run_options(self.ids[key]))
+        try:
+            e.session.run_with_iobinding(bufs["io"], _run_options(self.ids[key]))
+        except Exception as ex:  # noqa: BLE001 - capture refused at run time: run uncaptured from now on
+            import warnings
+
+            e.note = f"CUDA graphs are off for {e.entry.path}: onnxruntime could not capture a pass ({_first_line(ex)})"
+            warnings.warn(e.note, RuntimeWarning, stacklevel=3)
+            e._graphs = None
+            return None
         return bufs["logits"].numpy()

@@ -9,6 +9,8 @@ per layer over per-row caches that attention reads and writes in place.
 inputs
   input_ids      int64 [B, S]       the new tokens of each row, right-padded
   seqlens_k      int32 [B]          per row: tokens in its cache after this call, minus one
+  total_sequence_length  int32 [1]  C, the slots per row: an upper bound of every row's length (an input,
+                                    not a Shape of the cache, so no node runs on the CPU: CUDA graphs)
   logit_index    int64 [N]          which of the B*S positions get logits (flat: row * S + position)
   query_seqlens  int32 [B]          per row: how many of its S tokens are real (0: the row sits out);
                                     onnxruntime >= 1.32 only, see `gqa_has_query_seqlens`
@@ -334,11 +336,10 @@ class LeanDecoder(nn.Module):
             self.qkv.append(_fused_linear([a.q_proj, a.k_proj, a.v_proj]))
             self.gate_up.append(_fused_linear([mlp.gate_proj, mlp.up_proj]))
 
-    def forward(self, input_ids, seqlens_k, logit_index, *rest):
+    def forward(self, input_ids, seqlens_k, total, logit_index, *rest):
         q_lens, past = (rest[0], rest[1:]) if self.query_seqlens else (None, rest)
         h = self.model.embed_tokens(input_ids)  # [B, S, hidden]
         cos, sin = self.cos_table.to(h.dtype), self.sin_table.to(h.dtype)
-        total = torch._shape_as_tensor(past[0])[2:3].to(torch.int32)  # C: an upper bound of every row's length
         layers = self.model.layers
         x = _RmsNorm.apply(h, layers[0].input_layernorm.weight, layers[0].input_layernorm.variance_epsilon)
         presents = []
@@ -368,8 +369,8 @@ class LeanDecoder(nn.Module):
 def lean_io_names(num_layers: int, query_seqlens: bool = True) -> tuple[list[str], list[str]]:
     past = [n for i in range(num_layers) for n in (f"past_key.{i}", f"past_value.{i}")]
     present = [n for i in range(num_layers) for n in (f"present_key.{i}", f"present_value.{i}")]
-    return ["input_ids", "seqlens_k", "logit_index", *(["query_seqlens"] if query_seqlens else []), *past], \
-        ["logits", *present]
+    return ["input_ids", "seqlens_k", "total_sequence_length", "logit_index",
+            *(["query_seqlens"] if query_seqlens else []), *past], ["logits", *present]
 
 
 def export_lean(hf_model, out_path, max_positions: int, output_ids=None, query_seqlens: bool = True,
@@ -385,17 +386,18 @@ def export_lean(hf_model, out_path, max_positions: int, output_ids=None, query_s
     B, S, P, C = 1, 3, 2, 8
     ids = torch.zeros((B, S), dtype=torch.int64)
     seqlens = torch.tensor([P + S - 1], dtype=torch.int32)
+    total = torch.tensor([C], dtype=torch.int32)
     logit_index = torch.tensor([S - 1], dtype=torch.int64)
     past = [torch.zeros((B, Hkv, C, D), dtype=dtype) for _ in range(2 * L)]
     extra = [torch.tensor([S], dtype=torch.int32)] if query_seqlens else []
     inputs, outputs = lean_io_names(L, query_seqlens)
     axes = {"input_ids": {0: "batch", 1: "seq"}, "seqlens_k": {0: "batch"}, "query_seqlens": {0: "batch"},
             "logit_index": {0: "n_logits"}, "logits": {0: "n_logits"}}
-    for n in inputs[3 + query_seqlens:] + outputs[1:]:
+    for n in inputs[4 + query_seqlens:] + outputs[1:]:
         axes[n] = {0: "batch", 2: "capacity"}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(wrapper, (ids, seqlens, logit_index, *extra, *past), str(out_path), input_names=inputs,
+        torch.onnx.export(wrapper, (ids, seqlens, total, logit_index, *extra, *past), str(out_path), input_names=inputs,
                           output_names=outputs, dynamic_axes={k: v for k, v in axes.items() if k in inputs + outputs},
                           opset_version=opset, do_constant_folding=True, dynamo=False)
     proto = onnx.load(str(out_path), load_external_data=False)

@@ -522,7 +522,8 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
         if not m.for_gpu:
             old = any(e.graph == "contrib" for e in m.entries())
             raise PairError(f"{pair_dir} was exported for the CPU ("
-                            + ("onnxruntime CPU ops of an older specrt" if old else "fp32 activations")
+                            + ("onnxruntime CPU ops of an older specrt" if old else
+                               "fp32 activations, and GroupQueryAttention has no fp32 CUDA kernel")
                             + "); export it with --precision fp16, or --precision int4 --activations fp16, for a GPU")
         return "cuda", None
     if m.engines and not why:
