@@ -187,12 +187,13 @@ class _Base:
 
     def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
                  threads: int | None = None, spinning: bool = True, session=None, device: str = "cpu",
-                 device_id: int = 0, cuda_graph: bool = True):
+                 device_id: int = 0, cuda_graph: bool = True, capture_width: int = 16):
         """`max_len`: slots per row. `max_logits`: logits rows per row a call may ask for.
         `session`: an already loaded InferenceSession of this graph (another engine's), so that engines of
         other batch sizes, each with its own KV buffers, share one copy of the weights.
         `device`: "cpu", or "cuda" (onnxruntime's CUDA provider; caches stay in GPU memory).
-        `cuda_graph`: on "cuda", replay each pass shape from a captured CUDA graph (lean graphs)."""
+        `cuda_graph`: on "cuda", replay each pass shape from a captured CUDA graph (lean graphs), for passes
+        of at most `capture_width` tokens a row (wider ones, prefills, run uncaptured)."""
         self.note = None  # why CUDA graphs are off, when they were asked for and refused
         # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
         self.captures = cuda_graph and device == "cuda" and entry.graph == "lean"
@@ -222,6 +223,7 @@ class _Base:
             self._value_ptrs = [v.data_ptr() for v in self.values]
         self._logits = np.empty(batch * max_logits * entry.logits_width, np.float32)
         self._io = self.session.io_binding()
+        self.capture_width = capture_width
 
     def _check(self, P: int, S: int, N: int) -> None:
         if P + S > self.max_len:
@@ -382,6 +384,11 @@ class LeanEngine(_Base):
             self._rows[r] = self._view(r)
         return self._rows[r]
 
+    def close(self) -> None:
+        self._rows.clear()  # the row views hold the buffers too
+        self._graphs = None
+        super().close()
+
     def _view(self, r: int) -> LeanEngine:
         view = object.__new__(LeanEngine)
         view.__dict__.update(self.__dict__)
@@ -404,9 +411,8 @@ def _run_options(graph_id: int):
 class _CudaGraphs:
     """Captured passes of a LeanEngine on CUDA: one CUDA graph per call shape (rows, width, logits rows),
     each with its own device input and logits buffers at fixed addresses (what replaying needs; the caches'
-    addresses never change). Shapes wider than `widest` (prefills) run uncaptured."""
+    addresses never change). Passes wider than the engine's `capture_width` (prefills) run uncaptured."""
 
-    widest = 16  # a verify pass of max_draft_len + 1 tokens, or a draft's catch-up chunk
     most = 64  # graphs kept per engine (each holds its own activations)
 
     def __init__(self, engine: LeanEngine):
@@ -421,7 +427,7 @@ class _CudaGraphs:
         e = self.e
         B, S = tokens.shape
         key = (B, S, len(logit_index))
-        if S > self.widest or (key not in self.ids and len(self.ids) >= self.most):
+        if S > e.capture_width or (key not in self.ids and len(self.ids) >= self.most):
             return None
         ort, dev, did = self._ort, "cuda", e.device_id
         if key not in self.ids:

@@ -103,7 +103,8 @@ def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
         raise ConfigError(f"batched decoding runs on the lean onnxruntime graph, and {where}; "
                           "re-export the pair with this specrt (without --engine tensorrt), or use --batch-size 1")
     return LeanEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session,
-                      device=base.device, device_id=base.device_id, cuda_graph=base.captures)
+                      device=base.device, device_id=base.device_id, cuda_graph=base.captures,
+                      capture_width=base.capture_width)
 
 
 def kv_bytes(m, batch: int, cache_len: int) -> int:

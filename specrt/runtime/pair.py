@@ -545,7 +545,9 @@ def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
         return TrtEngine(pair_dir, entry, role, m, max_logits)
     from specrt.engines.ort import ort_engine
 
-    return ort_engine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device)
+    # a pass of up to max_draft_len + 1 tokens is decoding (verify widths, draft steps and catch-ups): captured
+    return ort_engine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device,
+                      capture_width=m.max_draft_len + 1)
 
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
