@@ -63,6 +63,11 @@ def main():
 @click.option("--block-size", type=int, default=128, show_default=True, help="int4: weights per quantization block.")
 @click.option("--accuracy-level", type=int, default=4, show_default=True,
               help="int4: MatMulNBits compute, 4 = int8 activations (fast), 0 = fp32 (one-token and verify passes agree to ~1e-5).")
+@click.option("--embedding-bits", type=click.Choice(["0", "4", "8"]), default=None,
+              help="Input embeddings weight-only (GatherBlockQuantized): 4 or 8 bits, 0 = as they are "
+                   "(default: 4 for --precision int4, else 0).")
+@click.option("--embedding-block-size", type=int, default=32, show_default=True,
+              help="Embedding values per quantization block.")
 @click.option("--asymmetric/--symmetric", default=True, show_default=True,
               help="int4: a 4-bit zero point per block as well as a scale (closer to the weights, same speed).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
@@ -73,7 +78,8 @@ def main():
               help="Calibration text for --draft-vocab (repeatable; default: Python's standard library sources).")
 @_errors
 def export(target, draft, out, precision, activations, portable, no_query_seqlens, engine, prefill_chunk, max_draft_len,
-           max_len, block_size, accuracy_level, asymmetric, draft_vocab, draft_vocab_texts, overwrite):
+           max_len, block_size, accuracy_level, embedding_bits, embedding_block_size, asymmetric, draft_vocab,
+           draft_vocab_texts, overwrite):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
     from specrt.export.pair import ExportConfig, export_pair
 
@@ -81,7 +87,9 @@ def export(target, draft, out, precision, activations, portable, no_query_seqlen
                        max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
                        symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts),
                        portable=portable, engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite,
-                       activations=activations or "", query_seqlens=False if no_query_seqlens else None)
+                       activations=activations or "", query_seqlens=False if no_query_seqlens else None,
+                       embedding_bits=None if embedding_bits is None else int(embedding_bits),
+                       embedding_block_size=embedding_block_size)
     m = export_pair(cfg, log=lambda s: click.echo(s, err=True))
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)
 

@@ -50,8 +50,9 @@ def _quant_text(q: dict | None) -> str:
     return ", ".join(parts)
 
 
-def pair_info(pair_dir: Path) -> dict:
-    """Everything `specrt info` shows, as a JSON-able dict. Reads the manifest and file sizes only."""
+def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
+    """Everything `specrt info` shows, as a JSON-able dict. Reads the manifest and file sizes only.
+    `budget`: a board name or a number of bytes (runtime/memory.parse_budget) to check the pair against."""
     from specrt.config import read_manifest
     from specrt.errors import PairError
     from specrt.runtime import memory
@@ -70,8 +71,8 @@ def pair_info(pair_dir: Path) -> dict:
         models[role] = {
             "source": e.source, "model_type": e.model_type, "precision": e.precision, "dtype": e.dtype,
             "quantization": e.quantization, "layers": e.num_layers, "kv_heads": e.num_kv_heads,
-            "head_dim": e.head_dim, "logits_width": e.logits_width, "size_bytes": est.weights[role],
-            "files": sorted(e.files), "graph": e.graph, "kv_layout": e.kv_layout,
+            "head_dim": e.head_dim, "logits_width": e.logits_width, "size_bytes": memory.graph_bytes(pair_dir, e),
+            "files": sorted(e.files), "graph": e.graph, "kv_layout": e.kv_layout, "embedding": e.embedding,
         }
     tuned = None
     if m.tuned:
@@ -85,6 +86,14 @@ def pair_info(pair_dir: Path) -> dict:
     except ImportError:  # pragma: no cover - a runtime dependency
         ort_version = None
     fits = None if avail is None else est.total <= avail
+    board = None
+    if budget is not None:
+        name, total, reserve = memory.parse_budget(budget)
+        cuda = memory.CUDA_CONTEXT if (m.for_gpu and reserve) else 0
+        room = total - reserve - cuda
+        board = {"name": name, "total": total, "os_reserve": reserve, "cuda_context": cuda, "for_specrt": room,
+                 "needs": est.total, "fits": est.total <= room,
+                 "max_len_that_fits": est.max_len_that_fits(room) if est.total > room else None}
     return {
         "pair": str(pair_dir), "format": m.format, "format_version": m.format_version, "created_by": m.created_by,
         "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids), "max_len": m.max_len,
@@ -92,6 +101,7 @@ def pair_info(pair_dir: Path) -> dict:
         "models": models,
         "memory": {**est.as_dict(), "available": avail, "fits": fits,
                    "max_len_that_fits": est.max_len_that_fits(avail) if fits is False else None},
+        "budget": board,
         "tuned": tuned,
         "engines": _engines(m, ort_version),
     }
@@ -137,8 +147,10 @@ def format_info(d: dict) -> str:
             lines.append(f"{role + ':':<11}none (target-only pair: the n-gram drafter proposes)")
             continue
         lines.append(f"{role + ':':<11}{e['model_type']} from {e['source']}")
+        emb = e.get("embedding")
         lines.append(f"           precision {e['precision']} ({e['dtype']} activations/KV), quantization "
-                     f"{_quant_text(e['quantization'])}")
+                     f"{_quant_text(e['quantization'])}"
+                     + (f"; embeddings {emb['bits']}-bit, block {emb['block_size']}" if emb else ""))
         lines.append(f"           {e['layers']} layers, {e['kv_heads']} KV heads x head_dim {e['head_dim']}, "
                      f"logits {e['logits_width']} wide; {fmt(e['size_bytes'])} on disk")
         graph = {"lean": "lean (fused onnxruntime ops, caches read and written in place)",
@@ -151,8 +163,8 @@ def format_info(d: dict) -> str:
     for role in d["models"]:
         lines.append(f"           {role}: weights {fmt(mem['weights'][role])}, KV cache {fmt(mem['kv_cache'][role])}, "
                      f"logits {fmt(mem['logits'][role])}")
-    lines.append(f"           workspace {fmt(mem['workspace'])} (15% of weights + 64 MB); KV {per / 1024:.1f} KB per "
-                 f"token of max_len")
+    lines.append(f"           workspace {fmt(mem['workspace'])} (Python, onnxruntime, the tokenizer, sessions, "
+                 f"activations); KV {per / 1024:.1f} KB per token of max_len")
     if mem["available"] is None:
         lines.append("           available: unknown (no /proc/meminfo); not checked")
     elif mem["fits"]:
@@ -161,6 +173,17 @@ def format_info(d: dict) -> str:
         hint = (f"re-export with --max-len {mem['max_len_that_fits']}" if mem["max_len_that_fits"]
                 else "the weights alone do not fit")
         lines.append(f"           available: {fmt(mem['available'])}: DOES NOT FIT ({hint})")
+    b = d.get("budget")
+    if b is not None:
+        kept = (f", {fmt(b['os_reserve'])} assumed kept by the OS" if b["os_reserve"] else "") + \
+               (f" and {fmt(b['cuda_context'])} by the CUDA context" if b["cuda_context"] else "")
+        verdict = "fits" if b["fits"] else (
+            f"DOES NOT FIT (re-export with --max-len {b['max_len_that_fits']})" if b["max_len_that_fits"]
+            else "DOES NOT FIT (the weights alone do not fit)")
+        lines.append(f"budget:    {b['name']}: {fmt(b['total'])}{kept}, {fmt(b['for_specrt'])} for specrt: {verdict}")
+    if plain := [r for r, e in d["models"].items() if e["precision"] == "int4" and not e.get("embedding")]:
+        lines.append(f"           the {' and '.join(plain)} embeddings are not quantized (exported by an older specrt): "
+                     "a re-export stores them in int4, about half the pair's size on disk")
     t = d["tuned"]
     if t is None:
         lines.append("tuned:     no (defaults: drafter model or ngram, draft_len auto); run `specrt tune` on this machine")
@@ -179,14 +202,45 @@ def format_info(d: dict) -> str:
     return "\n".join(lines)
 
 
+def measure(pair_dir: Path, max_new_tokens: int = 128) -> dict:
+    """Load the pair on the CPU and run one greedy generation of a built-in chat prompt: this process's peak
+    resident memory afterwards, beside the estimate for the same number of cache positions."""
+    import resource
+
+    from specrt.runtime import memory
+    from specrt.runtime.pair import load
+
+    with load(pair_dir, device="cpu") as pair:
+        res = pair.generate("Write a Python function is_palindrome(s) that ignores case, spaces and punctuation, "
+                            "with a short docstring.", chat=True, max_new_tokens=max_new_tokens, draft_len=2)
+        tokens = res.stats["prompt_tokens"] + res.stats["new_tokens"] + pair.manifest.max_draft_len + 1
+        est = memory.estimate(pair_dir, pair.manifest, tokens=tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"peak_rss": peak, "estimate": est.total, "tokens": tokens, "new_tokens": res.stats["new_tokens"],
+            "ratio": est.total / peak}
+
+
 @click.command()
 @click.argument("pair_dir", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--budget", default=None, metavar="BOARD|BYTES",
+              help="Check the pair against a board's memory (orin-nano-8gb, orin-nx-16gb, agx-orin-64gb; the OS's "
+                   "and the CUDA context's share assumed taken) or a number of bytes for specrt.")
+@click.option("--measure", "do_measure", is_flag=True,
+              help="Also load the pair and run a 128-token generation: the measured peak memory beside the estimate.")
 @_errors
-def info(pair_dir, as_json):
+def info(pair_dir, as_json, budget, do_measure):
     """Show a pair folder: models, sizes, estimated memory, limits, tuned settings, engines."""
-    d = pair_info(pair_dir)
+    from specrt.runtime.memory import fmt
+
+    d = pair_info(pair_dir, budget)
+    if do_measure:
+        d["measured"] = meas = measure(pair_dir)
     click.echo(json.dumps(d, indent=2) if as_json else format_info(d))
+    if do_measure and not as_json:
+        click.echo(f"measured:  peak resident memory {fmt(meas['peak_rss'])} after a {meas['new_tokens']}-token "
+                   f"generation; the estimate for its {meas['tokens']} cache positions: {fmt(meas['estimate'])} "
+                   f"({meas['ratio'] - 1:+.0%})")
 
 
 # ---------------------------------------------------------------- check

@@ -107,6 +107,15 @@ class ModelEntry:
     inputs: dict[str, dict]
     outputs: dict[str, dict]
     quantization: dict | None = None
+    # Quantized input embeddings (export/pair.quantize_embedding): {"op", "bits", "block_size", "symmetric"}
+    embedding: dict | None = None
+    # How onnxruntime holds the weights, in bytes (export/pair.weight_bytes; runtime/memory.py):
+    # {"packed": copied into memory at load (MatMul and MatMulNBits weights, prepacked), "mapped": read
+    # from the memory-mapped file where a pass touches them (embedding tables: only the rows of the tokens
+    # seen), "row": one embedding row, "other": the rest (norms, biases, rotary tables)}; None: older export
+    weights: dict | None = None
+    hidden_size: int = 0  # the model's widths (runtime/memory.py's activations); 0: an older export
+    intermediate_size: int = 0
     # Draft with a restricted output vocabulary: an .npy of the token ids its logits rows stand for
     # (sorted, relative to the pair folder, hashed in `files`); None = row i is token id i.
     output_ids: str | None = None

@@ -247,3 +247,30 @@ def test_row_view_is_its_row_of_the_buffers(qwen_pair):
     eng.set_length(1, 4)
     assert view.length == 4
     eng.close()
+
+
+@pytest.mark.parametrize("which", ["qwen_dir", "noq_dir"])
+def test_chunked_prefill_equals_one_pass(request, which):
+    """A pass wider than `prefill_chunk` runs in chunks: the same logits and cache as one pass, rows of a
+    batch included (ragged counts, and rows whose tokens end before the last chunk)."""
+    import specrt
+
+    with specrt.load(request.getfixturevalue(which), threads=1) as pair:
+        m = pair.manifest
+        entry = m.target
+        one = ort_engine(pair.dir, entry, m.max_len, 64, batch=2, threads=1)
+        chunked = ort_engine(pair.dir, entry, m.max_len, 64, batch=2, threads=1, prefill_chunk=7)
+        tokens = np.stack([_ids(40, seed=30), _ids(40, seed=31)])
+        counts = np.array([40, 23])
+        index = np.array([39, 0, 10, 40 + 22, 40 + 7])
+        want = one.forward_ragged(tokens, counts, index).copy() if one.ragged else None
+        got = chunked.forward_ragged(tokens, counts, index).copy()
+        if want is None:  # no query_seqlens: rows one by one
+            want = np.concatenate([one.row(0).forward(tokens[:1], np.array([39, 0, 10]))[0].copy(),
+                                   one.row(1).forward(tokens[1:, :23], np.array([22, 7]))[0].copy()])
+        np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-5)
+        assert chunked.lengths.tolist() == [40, 23] == one.lengths.tolist()
+        for i in range(entry.num_layers):
+            for r in range(2):
+                np.testing.assert_allclose(_prefix(chunked, "k", i, counts[r], row=r), _prefix(one, "k", i, counts[r], row=r),
+                                           atol=3e-5)

@@ -324,6 +324,8 @@ def test_source_folder_without_config_and_non_gguf_file(hf_tiny, tmp_path):
     (dict(max_draft_len=65), "max_draft_len"),
     (dict(block_size=48), "block_size"),
     (dict(accuracy_level=5), "accuracy_level"),
+    (dict(embedding_bits=3), "embedding_bits must be 0"),
+    (dict(embedding_block_size=24), "embedding_block_size"),
 ])
 def test_export_config_validation(kw, match):
     with pytest.raises(ExportError, match=match):
@@ -366,6 +368,9 @@ def test_int4_manifest_and_graph(request, which, level):
         # fused qkv, o, fused gate/up, down per layer + lm_head; only activation x activation MatMuls remain
         assert ops.count("MatMulNBits") == 4 * e.num_layers + 1
         assert ops.count("GroupQueryAttention") == e.num_layers
+        # the input embedding: int4, blocks of 32 (the default for int4 pairs)
+        assert e.embedding == {"op": "GatherBlockQuantized", "bits": 4, "block_size": 32, "symmetric": False}
+        assert ops.count("GatherBlockQuantized") == 1 and "Gather" in ops  # the embedding; Gather: the logits rows
         inits = {i.name for i in proto.graph.initializer}
         assert not any(n.op_type == "MatMul" and set(n.input) & inits for n in proto.graph.node)
         for n in proto.graph.node:
@@ -373,6 +378,57 @@ def test_int4_manifest_and_graph(request, which, level):
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
                 assert (attrs["bits"], attrs["block_size"], attrs.get("accuracy_level", 0)) == (4, 128, level)
                 assert len(n.input) >= 4 and n.input[3]  # A, B, scales, zero_points: asymmetric by default
+
+
+def test_quantized_embedding_matches_its_reference(tmp_path):
+    """quantize_blocks writes what onnxruntime's GatherBlockQuantized reads: the op returns exactly the
+    numpy dequantization, for 4 and 8 bits, close to the table."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specrt.export.pair import quantize_blocks
+
+    table = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
+    for bits, tol in ((4, 0.25), (8, 0.015)):
+        q, scales, zero = quantize_blocks(table, bits, 16)
+        vals = q if bits == 8 else np.stack([q & 15, q >> 4], -1).reshape(50, 64)
+        zp = zero if bits == 8 else np.stack([zero & 15, zero >> 4], -1).reshape(50, -1)[:, :4]
+        deq = ((vals.reshape(50, 4, 16).astype(np.float32) - zp[..., None]) * scales[..., None]).reshape(50, 64)
+        node = helper.make_node("GatherBlockQuantized", ["data", "idx", "scales", "zp"], ["out"], domain="com.microsoft",
+                                gather_axis=0, quantize_axis=1, block_size=16, bits=bits)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("idx", TensorProto.INT64, ["N"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["N", 64])],
+                              [numpy_helper.from_array(q, "data"), numpy_helper.from_array(scales, "scales"),
+                               numpy_helper.from_array(zero, "zp")])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        idx = np.array([0, 7, 49, 7])
+        out = sess.run(None, {"idx": idx})[0]
+        np.testing.assert_array_equal(out, deq[idx])
+        assert np.abs(out - table[idx]).max() < tol
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+def test_embedding_bits_option(work, hf_tiny, bits):
+    """--embedding-bits 0 keeps the table; 8 quantizes it to int8; int4 weights either way, greedy
+    speculative still equal to target-only (accuracy level 0)."""
+    import onnx
+
+    d = work / f"pair-int4-emb{bits}"
+    export(*hf_tiny["qwen2"], d, precision="int4", accuracy_level=0, embedding_bits=bits, embedding_block_size=16)
+    m = read_manifest(d)
+    ops = [n.op_type for n in onnx.load(str(d / m.target.path), load_external_data=False).graph.node]
+    assert ops.count("GatherBlockQuantized") == (1 if bits else 0)
+    assert m.target.embedding == ({"op": "GatherBlockQuantized", "bits": 8, "block_size": 16, "symmetric": False}
+                                  if bits else None)
+    with specrt.load(d, threads=1) as pair:
+        want = pair.generate("def quicksort(xs):", max_new_tokens=24, draft_len=0).tokens
+        assert pair.generate("def quicksort(xs):", max_new_tokens=24, draft_len=3).tokens == want
+
+
+def test_fp32_pairs_keep_their_embeddings(qwen_dir):
+    m = read_manifest(qwen_dir)
+    assert m.target.embedding is None and m.draft.embedding is None
 
 
 def test_int4_symmetric_blocks(work, hf_tiny, qwen_pair):

@@ -14,18 +14,75 @@ ENV = memory.ENV_AVAILABLE
 
 
 def test_estimate_adds_up_from_the_manifest(qwen_dir):
+    """Weights as onnxruntime holds them (prepacked matmul weights, an allowance for the memory-mapped
+    embedding's touched rows), caches for max_len positions, logits buffers, and the workspace."""
     m = read_manifest(qwen_dir)
     est = memory.estimate(qwen_dir, m)
     for role, e in (("target", m.target), ("draft", m.draft)):
-        assert est.weights[role] == sum((qwen_dir / f).stat().st_size for f in e.files) > 0
+        w = e.weights
+        assert w["packed"] > 0 and w["mapped"] > 0 and w["row"] > 0  # recorded at export
+        assert w["packed"] + w["mapped"] + w["other"] <= sum((qwen_dir / f).stat().st_size for f in e.files)
+        assert est.weights[role] == int(memory.PACKED_FACTOR * w["packed"]) + w["other"] + min(w["mapped"],
+                                                                                               memory.MAPPED_ALLOWANCE)
         assert est.kv_cache[role] == e.num_layers * 2 * m.max_len * 1 * e.num_kv_heads * e.head_dim * 4
         assert est.kv_per_token[role] * m.max_len == est.kv_cache[role]
     assert est.logits["target"] == 2 * (m.max_draft_len + 1) * m.target.logits_width * 4
     assert est.logits["draft"] == 2 * 1 * m.draft.logits_width * 4
-    assert est.workspace == int(0.15 * sum(est.weights.values())) + (64 << 20)
+    tok = int(memory.TOKENIZER_FACTOR * (qwen_dir / "tokenizer.json").stat().st_size)
+    act = sum(memory.activation_bytes(e, 128) for e in (m.target, m.draft))
+    assert est.workspace == memory.RUNTIME_BYTES + tok + 2 * memory.SESSION_BYTES + act
     assert est.total == sum(est.weights.values()) + sum(est.kv_cache.values()) + sum(est.logits.values()) + est.workspace
     two = memory.estimate(qwen_dir, m, batch=2)
     assert two.kv_cache["target"] == 2 * est.kv_cache["target"]
+    short = memory.estimate(qwen_dir, m, tokens=40)
+    assert short.kv_cache["target"] == 40 * est.kv_per_token["target"] and short.tokens == 40
+    on_gpu = memory.estimate(qwen_dir, m, device="cuda")  # every weight is copied to the device
+    assert on_gpu.weights["target"] == sum(m.target.weights[k] for k in ("packed", "mapped", "other"))
+
+
+def test_an_older_manifest_is_estimated_from_file_sizes(qwen_dir, tmp_path):
+    """A pair exported before the manifest said how the weights are held: counted at their size on disk."""
+    import dataclasses
+
+    m = read_manifest(qwen_dir)
+    old = dataclasses.replace(m, target=dataclasses.replace(m.target, weights=None))
+    est = memory.estimate(qwen_dir, old)
+    assert est.weights["target"] == sum((qwen_dir / f).stat().st_size for f in m.target.files)
+
+
+def test_budgets(qwen_dir):
+    from click.testing import CliRunner
+
+    from specrt.cli_trust import info, pair_info
+
+    assert memory.parse_budget("orin-nano-8gb") == ("orin-nano-8gb", 8 << 30, memory.OS_RESERVE)
+    assert memory.parse_budget(" 123456 ") == ("123456 bytes", 123456, 0)
+    for bad, msg in (("orin-nano", r"unknown budget 'orin-nano': a board \(orin-nano-8gb, orin-nx-16gb, agx-orin-64gb\)"),
+                     ("-5", "positive integer"), ("0", "positive integer"), ("lots", "unknown budget")):
+        with pytest.raises(ConfigError, match=msg):
+            memory.parse_budget(bad)
+    d = pair_info(qwen_dir, "orin-nano-8gb")
+    b = d["budget"]
+    assert b["fits"] and b["for_specrt"] == (8 << 30) - memory.OS_RESERVE and b["cuda_context"] == 0  # a CPU pair
+    need = d["memory"]["total"]
+    tight = pair_info(qwen_dir, str(need - 1))["budget"]
+    assert not tight["fits"] and tight["max_len_that_fits"] and tight["max_len_that_fits"] < d["max_len"]
+    r = CliRunner().invoke(info, [str(qwen_dir), "--budget", str(need - 1)])
+    assert r.exit_code == 0 and "DOES NOT FIT (re-export with --max-len" in r.stdout
+    r = CliRunner().invoke(info, [str(qwen_dir), "--budget", "jetson"])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "unknown budget 'jetson'" in r.stderr
+
+
+def test_info_measure_puts_the_estimate_beside_the_peak(qwen_dir):
+    from click.testing import CliRunner
+
+    from specrt.cli_trust import info
+
+    r = CliRunner().invoke(info, [str(qwen_dir), "--measure", "--json"])
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.stdout)["measured"]
+    assert m["peak_rss"] > 0 and m["estimate"] > 0 and m["new_tokens"] > 0
+    assert m["ratio"] == pytest.approx(m["estimate"] / m["peak_rss"])
 
 
 def test_available_reads_meminfo_and_the_override(monkeypatch):
@@ -95,3 +152,23 @@ def test_cli_generate_and_info_report_it(qwen_dir, monkeypatch):
     d = json.loads(CliRunner().invoke(info, [str(qwen_dir), "--json"]).stdout)
     assert d["memory"]["fits"] is False and d["memory"]["available"] == avail
     assert d["memory"]["max_len_that_fits"] == 50
+
+
+def test_info_says_an_older_int4_pair_could_be_smaller(int4_dir, tmp_path):
+    """An int4 pair exported before quantized embeddings still loads; info says a re-export shrinks it."""
+    from click.testing import CliRunner
+
+    from _helpers import copy_pair
+    from specrt.cli_trust import info
+
+    d = copy_pair(int4_dir, tmp_path / "old")
+    raw = json.loads((d / "manifest.json").read_text())
+    assert "embeddings 4-bit, block 32" in CliRunner().invoke(info, [str(d)]).stdout
+    for role in ("target", "draft"):
+        raw[role].pop("embedding")
+        raw[role].pop("weights")
+    (d / "manifest.json").write_text(json.dumps(raw))
+    out = CliRunner().invoke(info, [str(d)]).stdout
+    assert "the target and draft embeddings are not quantized (exported by an older specrt): a re-export" in out
+    with specrt.load(d) as pair:
+        assert pair.generate("def f(x):", max_new_tokens=4).tokens

@@ -187,13 +187,16 @@ class _Base:
 
     def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
                  threads: int | None = None, spinning: bool = True, session=None, device: str = "cpu",
-                 device_id: int = 0, cuda_graph: bool = True, capture_width: int = 16):
+                 device_id: int = 0, cuda_graph: bool = True, capture_width: int = 16,
+                 prefill_chunk: int | None = None):
         """`max_len`: slots per row. `max_logits`: logits rows per row a call may ask for.
         `session`: an already loaded InferenceSession of this graph (another engine's), so that engines of
         other batch sizes, each with its own KV buffers, share one copy of the weights.
         `device`: "cpu", or "cuda" (onnxruntime's CUDA provider; caches stay in GPU memory).
         `cuda_graph`: on "cuda", replay each pass shape from a captured CUDA graph (lean graphs), for passes
-        of at most `capture_width` tokens a row (wider ones, prefills, run uncaptured)."""
+        of at most `capture_width` tokens a row (wider ones, prefills, run uncaptured).
+        `prefill_chunk` (lean graphs): a wider call runs in chunks of this many tokens a row (same results;
+        the activations' memory, which onnxruntime's arena keeps, is that of a chunk)."""
         self.note = None  # why CUDA graphs are off, when they were asked for and refused
         # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
         self.captures = cuda_graph and device == "cuda" and entry.graph == "lean"
@@ -223,7 +226,7 @@ class _Base:
             self._value_ptrs = [v.data_ptr() for v in self.values]
         self._logits = np.empty(batch * max_logits * entry.logits_width, np.float32)
         self._io = self.session.io_binding()
-        self.capture_width = capture_width
+        self.capture_width, self.prefill_chunk = capture_width, prefill_chunk
 
     def _check(self, P: int, S: int, N: int) -> None:
         if P + S > self.max_len:
@@ -329,6 +332,8 @@ class LeanEngine(_Base):
         if B != self.batch:
             raise ValueError(f"{B} rows for an engine of batch {self.batch}")
         self._check(int(self.lengths.max()), S, len(logit_index))  # every row has room for the padded pass
+        if self.prefill_chunk and S > self.prefill_chunk:
+            return self._chunked(tokens, counts, logit_index)
         if not self.ragged and B > 1 and S > 1:  # GroupQueryAttention without query_seqlens refuses these
             return self._row_by_row(tokens, counts, logit_index)
         if self._graphs is not None:
@@ -365,6 +370,22 @@ class LeanEngine(_Base):
         self.session.run_with_iobinding(io, _run_options(-1) if self.captures else None)
         self.lengths += counts
         return self._logits[: N * W].reshape(N, W)
+
+    def _chunked(self, tokens, counts, logit_index) -> np.ndarray:
+        """A pass wider than `prefill_chunk`, chunk by chunk: the same cache and logits. Measured on the int4
+        1.5B target, a 1024-token prompt: 8.2 s either way, +445 MB at once and +54 MB in chunks of 128."""
+        S, W, c = tokens.shape[1], self.entry.logits_width, self.prefill_chunk
+        index = np.asarray(logit_index, np.int64)
+        rows, pos = index // S, index % S
+        out = np.empty((len(index), W), np.float32)
+        for start in range(0, S, c):
+            end = min(start + c, S)
+            n = np.clip(counts - start, 0, end - start)
+            if not n.any():
+                break
+            mine = np.flatnonzero((pos >= start) & (pos < end))
+            out[mine] = self.forward_ragged(tokens[:, start:end], n, rows[mine] * (end - start) + pos[mine] - start)
+        return out
 
     def _row_by_row(self, tokens, counts, logit_index) -> np.ndarray:
         """An onnxruntime without query_seqlens: each fed row in its own batch-1 call."""

@@ -32,6 +32,10 @@ class ExportConfig:
     max_draft_len: int = 8
     block_size: int = 128  # int4: weights per quantization block (128: ~23% faster steps than 32 here, see README)
     accuracy_level: int = 4  # int4: MatMulNBits compute (4 = int8 activations, fast; 0 = fp32, exact)
+    # the input embeddings, weight-only (GatherBlockQuantized): 4 or 8 bits, 0 = kept as they are; None = 4 for
+    # int4 pairs (the GGUF sources' embeddings are 4-bit already; a pass reads only its tokens' rows), else 0
+    embedding_bits: int | None = None
+    embedding_block_size: int = 32
     symmetric: bool = False  # int4: False = a 4-bit zero point per block too (closer to the weights, same speed)
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
@@ -47,6 +51,11 @@ class ExportConfig:
     def dtype(self) -> str:
         """numpy name of the activations' and caches' dtype."""
         return "float16" if self.precision == "fp16" or self.activations == "fp16" else "float32"
+
+    @property
+    def embedding(self) -> int:
+        """Bits of the quantized input embeddings, 0 = none."""
+        return (4 if self.precision == "int4" else 0) if self.embedding_bits is None else self.embedding_bits
 
     @property
     def graph(self) -> str:
@@ -75,6 +84,10 @@ class ExportConfig:
             raise ExportError(f"max_draft_len must be in 1..64, got {self.max_draft_len}")
         if self.block_size not in (16, 32, 64, 128, 256):
             raise ExportError(f"block_size must be one of 16, 32, 64, 128, 256, got {self.block_size}")
+        if self.embedding_bits not in (None, 0, 4, 8):
+            raise ExportError(f"embedding_bits must be 0 (as they are), 4 or 8, got {self.embedding_bits}")
+        if self.embedding_block_size not in (16, 32, 64, 128, 256):
+            raise ExportError(f"embedding_block_size must be one of 16, 32, 64, 128, 256, got {self.embedding_block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ExportError(f"accuracy_level must be 0..4, got {self.accuracy_level}")
         if self.draft_vocab < 0 or self.draft_vocab == 1:
@@ -283,14 +296,17 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     else:
         wrapper = graph.export_portable(model, path, cfg.max_len, output_ids)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
-                num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim,
+                num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim, hidden_size=int(model.config.hidden_size),
+                intermediate_size=int(model.config.intermediate_size),
                 logits_width=int(model.config.vocab_size) if output_ids is None else len(output_ids))
     del model, wrapper
     gc.collect()
     _consolidate(path)
-    quant = None
+    quant = embedding = None
     if cfg.precision == "int4":
         quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric)
+    if cfg.embedding:
+        embedding = quantize_embedding(path, cfg.embedding, cfg.embedding_block_size)
     if output_ids is not None:
         np.save(folder / "output_ids.npy", np.asarray(output_ids, np.int64))
         spec["output_ids"] = "output_ids.npy"
@@ -312,7 +328,8 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     outputs["logits"]["shape"] = (["n_logits", spec["logits_width"]] if cfg.graph == "lean"
                                   else ["batch", "n_logits", spec["logits_width"]])
     return ModelEntry(path=path.name, files=files, source=src.spec, precision=cfg.precision, dtype=cfg.dtype,
-                      inputs=inputs, outputs=outputs, quantization=quant, graph=cfg.graph, **spec)
+                      inputs=inputs, outputs=outputs, quantization=quant, embedding=embedding, graph=cfg.graph,
+                      weights=weight_bytes(proto, path.parent), **spec)
 
 
 def _consolidate(path: Path) -> None:
@@ -349,6 +366,87 @@ def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: b
     _consolidate(path)
     return {"method": "MatMulNBits", "bits": 4, "block_size": block_size, "accuracy_level": accuracy_level,
             "symmetric": symmetric}
+
+
+def quantize_blocks(table, bits: int, block_size: int):
+    """Asymmetric weight-only quantization of a [V, H] table along H in blocks: (data, scales, zero_points)
+    as com.microsoft GatherBlockQuantized (and MatMulNBits) read them, two 4-bit values a byte low nibble
+    first. Scales keep the table's float type."""
+    import numpy as np
+
+    V, H = table.shape
+    top = (1 << bits) - 1
+    blocks = table.astype(np.float32).reshape(V, H // block_size, block_size)
+    lo, hi = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)  # 0 stays exact
+    scale = np.maximum((hi - lo) / top, np.finfo(np.float32).tiny)
+    zero = np.clip(np.round(-lo / scale), 0, top).astype(np.uint8)
+    q = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, top).astype(np.uint8).reshape(V, H)
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+        packed = np.zeros((V, (zero.shape[1] + 1) // 2), np.uint8)
+        packed[:] = zero[:, 0::2]
+        packed[:, : zero.shape[1] // 2] |= zero[:, 1::2] << 4
+        zero = packed
+    return q, scale.astype(table.dtype), zero
+
+
+def quantize_embedding(path: Path, bits: int, block_size: int) -> dict:
+    """The input embedding (the Gather of a constant [V, H] table) as com.microsoft GatherBlockQuantized:
+    weight-only, per block of `block_size` along H; a pass reads only the rows of its tokens. In place."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits
+             and len(inits[n.input[0]].dims) == 2]
+    if len(nodes) != 1:
+        raise ExportError(f"{path} has {len(nodes)} constant embedding tables, expected one")
+    node = nodes[0]
+    table = numpy_helper.to_array(inits[node.input[0]])
+    if table.shape[1] % block_size:
+        raise ExportError(f"embedding width {table.shape[1]} is not a multiple of the block size {block_size}")
+    data, scales, zero = quantize_blocks(table, bits, block_size)
+    name = node.input[0]
+    model.graph.initializer.remove(inits[name])
+    model.graph.initializer.extend([numpy_helper.from_array(data, name + "_q"),
+                                    numpy_helper.from_array(scales, name + "_scales"),
+                                    numpy_helper.from_array(zero, name + "_zero_points")])
+    quantized = helper.make_node("GatherBlockQuantized", [name + "_q", node.input[1], name + "_scales", name + "_zero_points"],
+                                 list(node.output), name=node.name + "_q", domain="com.microsoft", gather_axis=0,
+                                 quantize_axis=1, block_size=block_size, bits=bits)
+    at = list(model.graph.node).index(node)
+    model.graph.node.remove(node)
+    model.graph.node.insert(at, quantized)
+    del table, data
+    for p in path.parent.iterdir():
+        if p.name.startswith(path.name):
+            p.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    return {"op": "GatherBlockQuantized", "bits": bits, "block_size": block_size, "symmetric": False}
+
+
+def weight_bytes(proto, folder: Path) -> dict:
+    """How onnxruntime's CPU provider holds this graph's weights (measured on the int4 and fp32 pairs:
+    runtime/memory.py): MatMul/MatMulNBits weights are prepacked, i.e. copied into memory at load; the
+    embedding tables stay in the memory-mapped file and a pass touches only its tokens' rows."""
+    import numpy as np
+    import onnx
+
+    size = {t.name: int(np.prod(t.dims, dtype=np.int64)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+            for t in proto.graph.initializer}
+    packed, mapped, row = set(), set(), 0
+    for n in proto.graph.node:
+        if n.op_type == "MatMulNBits" or (n.op_type == "MatMul" and n.input[1] in size):
+            packed |= {i for i in n.input[1:] if i in size}
+        elif n.op_type in ("Gather", "GatherBlockQuantized") and n.input[0] in size:
+            tables = [n.input[0]] + ([i for i in n.input[2:] if i in size] if n.op_type == "GatherBlockQuantized" else [])
+            mapped |= set(tables)
+            rows = next(t.dims[0] for t in proto.graph.initializer if t.name == n.input[0])
+            row += sum(size[t] for t in tables) // rows
+    other = sum(v for k, v in size.items() if k not in packed | mapped)
+    return {"packed": sum(size[k] for k in packed), "mapped": sum(size[k] for k in mapped), "row": row, "other": other}
 
 
 def _io_spec(values) -> dict[str, dict]:

@@ -104,7 +104,7 @@ def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
                           "re-export the pair with this specrt (without --engine tensorrt), or use --batch-size 1")
     return LeanEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session,
                       device=base.device, device_id=base.device_id, cuda_graph=base.captures,
-                      capture_width=base.capture_width)
+                      capture_width=base.capture_width, prefill_chunk=base.prefill_chunk)
 
 
 def kv_bytes(m, batch: int, cache_len: int) -> int:

@@ -1,15 +1,21 @@
 """Will this pair fit in memory? An estimate from the manifest, checked before anything is loaded.
 
-The estimate adds up what a loaded `Pair` holds:
+The estimate models how the process holds the pair (measured on the Qwen2.5-Coder int4 and fp32 pairs
+with onnxruntime 1.32's CPU provider, bench/RESULTS.md "Memory"):
 
-- weights: the size on disk of every graph file of both models (onnxruntime keeps the initializers
-  in memory; an int4 graph is counted at its int4 size, which is what it loads as);
-- KV caches: per model `layers x 2 (K and V) x max_len x batch x kv_heads x head_dim x itemsize`,
-  allocated in full when the pair loads (DESIGN §3), so they are linear in `max_len`;
+- weights: the MatMul and MatMulNBits weights are prepacked, i.e. copied into memory when the
+  session loads (their bytes on disk, a few percent more); the embedding tables stay in the
+  memory-mapped file, and a pass touches only its tokens' rows (page cache, which the kernel can
+  reclaim: an allowance, not the table); the rest (norms, biases, rotary tables) is small. Pairs
+  exported before the manifest recorded this (`ModelEntry.weights`) are counted at their size on disk;
+- KV caches: per model `layers x 2 (K and V) x tokens x batch x kv_heads x head_dim x itemsize`,
+  allocated in full when the pair loads (DESIGN §3) and resident as a sequence fills them: counted
+  for `tokens` (max_len unless asked), so they are linear in it;
 - logits buffers: the engines' output buffers (target: max_draft_len + 1 rows, draft: 1 row, each
   `logits_width` float32 values) twice over, for the copies the sampler makes;
-- a workspace margin for onnxruntime's arenas and intermediate activations: 15% of the weights
-  plus 64 MB.
+- a workspace: Python, numpy and onnxruntime themselves, the loaded tokenizer (about 8.5 times its
+  tokenizer.json), each onnxruntime session's own state, and the activations of the widest pass (a
+  prompt is read in chunks of `runtime.pair.PREFILL_CHUNK` tokens, so that is a chunk's).
 
 It is compared with the memory the kernel says is available (`MemAvailable` in /proc/meminfo). On
 a Jetson the CPU and the GPU share one memory, and this is the same number.
@@ -30,10 +36,17 @@ from specrt.errors import ConfigError, PairError
 
 ENV_AVAILABLE = "SPECRT_MEM_AVAILABLE_BYTES"
 ENV_GPU_AVAILABLE = "SPECRT_GPU_MEM_AVAILABLE_BYTES"  # the same knob for the GPU's free memory
-WORKSPACE_FRACTION = 0.15  # of the weights
-WORKSPACE_FIXED = 64 << 20  # bytes
-MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
 MB = 1 << 20
+# Measured (bench/RESULTS.md "Memory"): Python with numpy and onnxruntime imported, 47 MB; the Qwen2.5
+# tokenizer (11.4 MB of JSON) loaded, +94 MB; per session beyond its weights (graph, kernels, the
+# provider's libraries) ~25 MB; prepacked int4 weights against their bytes on disk, +0-7%.
+RUNTIME_BYTES = 50 * MB
+TOKENIZER_FACTOR = 8.5
+SESSION_BYTES = 30 * MB
+PACKED_FACTOR = 1.05
+MAPPED_ALLOWANCE = 32 * MB  # page cache of an embedding table's touched rows, per model (measured 8-60 MB)
+ACTIVATION_FACTOR = 2  # activations of a pass: this many gate/up outputs per token (measured at chunks of 128)
+MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
 
 
 def _itemsize(entry: ModelEntry) -> int:
@@ -58,6 +71,23 @@ def graph_bytes(pair_dir: Path, entry: ModelEntry) -> int:
     return total
 
 
+def weights_held(pair_dir: Path, entry: ModelEntry, device: str = "cpu") -> int:
+    """Bytes the process holds for a model's weights (see the module docstring). On a GPU every weight is
+    copied to the device."""
+    w = entry.weights
+    if w is None:  # exported before the manifest said how: its size on disk
+        return graph_bytes(pair_dir, entry)
+    if device == "cuda":
+        return w["packed"] + w["mapped"] + w["other"]
+    return int(PACKED_FACTOR * w["packed"]) + w["other"] + min(w["mapped"], MAPPED_ALLOWANCE)
+
+
+def activation_bytes(entry: ModelEntry, tokens: int, batch: int = 1) -> int:
+    """Activations of a pass of `tokens` tokens a row (onnxruntime's arena keeps its peak)."""
+    width = entry.intermediate_size or 4 * entry.num_kv_heads * entry.head_dim  # older manifests: a guess
+    return ACTIVATION_FACTOR * 2 * width * _itemsize(entry) * tokens * batch
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes a loaded pair needs, by part. `roles` are "target" and, if present, "draft"."""
@@ -69,6 +99,7 @@ class MemoryEstimate:
     max_len: int
     batch: int = 1
     kv_per_token: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0  # cache positions counted (max_len unless the estimate is for a shorter sequence)
 
     @property
     def total(self) -> int:
@@ -91,21 +122,55 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {"weights": dict(self.weights), "kv_cache": dict(self.kv_cache), "logits": dict(self.logits),
                 "workspace": self.workspace, "total": self.total, "max_len": self.max_len, "batch": self.batch,
-                "kv_bytes_per_token": dict(self.kv_per_token)}
+                "tokens": self.tokens, "kv_bytes_per_token": dict(self.kv_per_token)}
 
 
-def estimate(pair_dir, manifest: Manifest, batch: int = 1) -> MemoryEstimate:
-    """What loading this pair (with `batch` sequences per cache) takes, from the manifest and file sizes."""
+def estimate(pair_dir, manifest: Manifest, batch: int = 1, tokens: int | None = None,
+             device: str = "cpu") -> MemoryEstimate:
+    """What loading this pair (with `batch` sequences per cache) and running it takes: its caches filled to
+    `tokens` positions (default max_len, the most a request can use), from the manifest and file sizes."""
+    from specrt.runtime.pair import PREFILL_CHUNK
+
+    tokens = manifest.max_len if tokens is None else min(tokens, manifest.max_len)
     entries = {"target": manifest.target} | ({"draft": manifest.draft} if manifest.draft is not None else {})
     rows = {"target": manifest.max_draft_len + 1, "draft": 1}
-    weights = {r: graph_bytes(pair_dir, e) for r, e in entries.items()}
     per = {r: kv_bytes_per_token(e, batch) for r, e in entries.items()}
+    widest = min(PREFILL_CHUNK.get(device, PREFILL_CHUNK["cpu"]), max(tokens, 1))
+    try:
+        tok = int(TOKENIZER_FACTOR * (Path(pair_dir) / "tokenizer.json").stat().st_size)
+    except OSError:
+        tok = 0
+    workspace = (RUNTIME_BYTES + tok + len(entries) * SESSION_BYTES
+                 + sum(activation_bytes(e, widest, batch) for e in entries.values()))
     return MemoryEstimate(
-        weights=weights,
-        kv_cache={r: per[r] * manifest.max_len for r in entries},
+        weights={r: weights_held(pair_dir, e, device) for r, e in entries.items()},
+        kv_cache={r: per[r] * tokens for r in entries},
         logits={r: 2 * batch * rows[r] * e.logits_width * 4 for r, e in entries.items()},
-        workspace=int(WORKSPACE_FRACTION * sum(weights.values())) + WORKSPACE_FIXED,
-        max_len=manifest.max_len, batch=batch, kv_per_token=per)
+        workspace=workspace, max_len=manifest.max_len, batch=batch, kv_per_token=per, tokens=tokens)
+
+
+GB = 1 << 30
+# Boards by name: total memory (CPU and GPU share it), and what is assumed taken before specrt starts.
+# JetPack 6 headless at idle keeps about 1 GB (a desktop session ~0.6 GB more); the CUDA context of a
+# process that uses the GPU takes ~0.5 GB more. Assumptions from NVIDIA's figures, not measured here.
+BOARDS = {"orin-nano-8gb": 8 * GB, "orin-nx-16gb": 16 * GB, "agx-orin-64gb": 64 * GB}
+OS_RESERVE = 1 * GB
+CUDA_CONTEXT = GB // 2
+
+
+def parse_budget(text: str) -> tuple[str, int, int]:
+    """(name, total bytes, bytes assumed taken by the OS) of a board name or a byte count (all of it for
+    specrt). One-line ConfigError for anything else."""
+    t = str(text).strip().lower()
+    if t in BOARDS:
+        return t, BOARDS[t], OS_RESERVE
+    try:
+        n = int(t)
+    except ValueError:
+        raise ConfigError(f"unknown budget {text!r}: a board ({', '.join(BOARDS)}) or a number of bytes") from None
+    if n <= 0:
+        raise ConfigError(f"a budget in bytes must be a positive integer, got {text!r}")
+    return f"{n} bytes", n, 0
 
 
 def _env_bytes(name: str) -> int | None:
@@ -189,7 +254,7 @@ def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | 
                  device: str = "cpu", device_id: int = 0) -> MemoryEstimate:
     """Refuse (PairError) a pair whose estimate exceeds the available memory; return the estimate.
     `device` "cuda": the weights, caches and workspace must fit in the GPU's free memory."""
-    est = estimate(pair_dir, manifest, batch)
+    est = estimate(pair_dir, manifest, batch, device=device)
     if available is None:
         available = gpu_free_bytes(device_id) if device == "cuda" else available_bytes()
     avail = available
