@@ -42,3 +42,16 @@ def test_load_and_generate_without_torch_installed(qwen_dir):
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().endswith("OK")
     assert '"tokens"' in p.stdout
+
+
+def test_engines_import_nothing_from_the_runtime():
+    """engines/ are the backends under runtime/: the dependency runs one way."""
+    import ast
+    from pathlib import Path
+
+    for f in sorted((Path(__file__).resolve().parents[1] / "specrt" / "engines").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            assert not [n for n in names if n.startswith("specrt.runtime")], f"{f.name} imports {names}"
+

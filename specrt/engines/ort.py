@@ -17,13 +17,13 @@ Per call only the token ids and lengths go to the device and only the requested 
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 
 import numpy as np
 
 from specrt.config import ModelEntry
+from specrt.engines.cuda import cuda_device_count
 from specrt.errors import PairError
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
@@ -35,16 +35,6 @@ def kv_offset(length: int, batch: int, kv_heads: int, head_dim: int, itemsize: i
     """Byte offset of cache slot `length` in a sequence-major [C, B, Hkv, D] buffer (the delta contract):
     where a call's new K/V are written, and the end of the past it binds (every prefix is contiguous)."""
     return length * batch * kv_heads * head_dim * itemsize
-
-
-def cuda_device_count() -> int:
-    """CUDA devices the driver shows this process (0 without a driver)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    n = ctypes.c_int(0)
-    return n.value if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
 
 
 def cuda_available() -> str | None:

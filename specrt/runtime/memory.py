@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrt.config import Manifest, ModelEntry
+from specrt.engines.cuda import libcuda as _libcuda
 from specrt.errors import ConfigError, PairError
 
 ENV_AVAILABLE = "SPECRT_MEM_AVAILABLE_BYTES"
@@ -184,26 +185,6 @@ def _env_bytes(name: str) -> int | None:
     if value < 0:
         raise ConfigError(f"{name} must be a number of bytes (an integer >= 0), got {env!r}")
     return value
-
-
-def _libcuda():
-    """The CUDA driver library through ctypes (no toolkit or cuda-python needed), initialised; or None."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    return lib if lib.cuInit(0) == 0 else None
-
-
-def cuda_device_count() -> int:
-    """CUDA devices the driver shows this process (0 without a driver)."""
-    import ctypes
-
-    lib = _libcuda()
-    n = ctypes.c_int(0)
-    return n.value if lib is not None and lib.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
 
 
 def gpu_free_bytes(device_id: int = 0) -> int | None:
