@@ -223,6 +223,22 @@ def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
         raise PairError(f"corrupt manifest {path}: {e}") from None
 
 
+def write_manifest(pair_dir: str | os.PathLike, manifest: Manifest) -> None:
+    """Write a pair folder's manifest: the one writer (export, build-engines, tune). Atomic: a temporary
+    file beside it, flushed to disk and renamed over it, so a reader sees the old manifest or the new one."""
+    path = Path(pair_dir) / MANIFEST_NAME
+    tmp = path.with_name(f".{MANIFEST_NAME}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -489,3 +489,120 @@ def test_int4_default_level_greedy_agrees_up_to_near_ties(int4_default_pair, pro
     for k in (1, 4, 8):
         r = first_divergence(int4_default_pair, ids, 48, k)
         assert r["equal"] or abs(r["margin"]) < 1e-2, (k, r["index"], r["margin"])
+
+
+# ---------------------------------------------------------------- after a crash in the middle of an export
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)  # that process has exited (a pid is reused only after the whole pid range)
+
+
+def _hidden(out: Path, kind: str = "old") -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.{kind}-*"))
+
+
+def test_old_pair_hidden_by_a_crash_is_restored_when_out_is_missing(qwen_dir, hf_tiny, tmp_path):
+    """A crash between _swap_in's two renames leaves only `.out.old-PID`: the next export puts it back
+    (and, without --overwrite, then refuses to replace it)."""
+    out = tmp_path / "out"
+    copy_pair(qwen_dir, out.parent / f".out.old-{_dead_pid()}")
+    with pytest.raises(ExportError, match="not empty"):
+        export(*hf_tiny["qwen2"], out)
+    assert read_manifest(out) == read_manifest(qwen_dir) and not _hidden(out)
+
+
+def test_recover_removes_what_a_finished_swap_left(qwen_dir, tmp_path):
+    from specrt.export.pair import recover
+
+    out = copy_pair(qwen_dir, tmp_path / "out")
+    dead = _dead_pid()
+    copy_pair(qwen_dir, tmp_path / f".out.old-{dead}")
+    (tmp_path / f".out.partial-{dead}").mkdir()
+    (tmp_path / ".out.old-1").mkdir()  # pid 1 is alive: an export still running is left alone
+    (tmp_path / ".other.old-5").mkdir()  # another folder's
+    recover(out, log=lambda s: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.old-5", ".out.old-1", "out"]
+    assert read_manifest(out) == read_manifest(qwen_dir)
+
+
+def test_recover_keeps_the_old_pair_beside_an_incomplete_out(qwen_dir, tmp_path):
+    from specrt.export.pair import recover
+
+    out = tmp_path / "out"
+    out.mkdir()  # not a pair (no manifest): the hidden one is all the user has
+    old = copy_pair(qwen_dir, tmp_path / f".out.old-{_dead_pid()}")
+    recover(out, log=lambda s: None)
+    assert old.is_dir() and not any(out.iterdir())
+
+
+# ---------------------------------------------------------------- sources: hub files, GGUF end tokens
+
+
+def test_hub_download_fetches_the_chat_template(monkeypatch, tmp_path):
+    import fnmatch
+
+    pytest.importorskip("huggingface_hub")
+    from specrt.export import load
+
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns):
+        asked.update(repo=repo_id, patterns=allow_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", snapshot_download)
+    assert load._download_from_hub("org/model") == tmp_path
+    assert asked["patterns"] == list(load.HUB_FILES)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "chat_template.jinja", "model.safetensors", "tokenizer.model"):
+        assert any(fnmatch.fnmatch(name, p) for p in asked["patterns"]), name
+    assert not any(fnmatch.fnmatch("pytorch_model.bin", p) for p in asked["patterns"])
+
+
+def test_gguf_eos_ids_add_the_tokenizers_end_tokens(tmp_path):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models
+
+    from specrt.export.load import Source, eos_ids
+    from specrt.export.tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    end, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    config = SimpleNamespace(eos_token_id=7)  # a GGUF's metadata: one id
+    gguf = Source("m.gguf", "gguf", tmp_path, "m.gguf")
+    assert eos_ids(gguf, config, tmp_path / "tokenizer.json") == [7, end, im_end]
+    assert eos_ids(gguf, SimpleNamespace(eos_token_id=im_end), tmp_path / "tokenizer.json") == [im_end, end]
+    assert eos_ids(Source(str(tmp_path), "hf", tmp_path), config, tmp_path / "tokenizer.json") == [7]  # HF: as configured
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>")).save(str(tmp_path / "plain.json"))
+    assert eos_ids(gguf, config, tmp_path / "plain.json") == [7]  # a tokenizer without them adds nothing
+
+
+# ---------------------------------------------------------------- the one manifest writer
+
+
+def test_write_manifest_replaces_atomically(qwen_dir, tmp_path, monkeypatch):
+    import dataclasses
+    import os
+
+    from specrt.config import write_manifest
+
+    d = copy_pair(qwen_dir, tmp_path / "p")
+    m = read_manifest(d)
+    write_manifest(d, dataclasses.replace(m, max_draft_len=3))
+    assert read_manifest(d).max_draft_len == 3 and sorted(p.name for p in d.glob(".manifest*")) == []
+    before = (d / "manifest.json").read_bytes()
+
+    def fail(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        write_manifest(d, m)
+    assert (d / "manifest.json").read_bytes() == before and sorted(p.name for p in d.glob(".manifest*")) == []

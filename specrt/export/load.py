@@ -19,6 +19,9 @@ class Source:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
+# What a hub download fetches: config, weights, tokenizer (with a chat template kept in its own file,
+# as newer transformers saves it), generation config.
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "chat_template.jinja")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -52,7 +55,7 @@ def _download_from_hub(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(snapshot_download(repo_id, allow_patterns=list(HUB_FILES)))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"cannot download {repo_id} from the Hugging Face hub ({reason[:200]}); "
@@ -101,8 +104,14 @@ def load_model(src: Source, dtype: str = "float32"):
     return model.eval()
 
 
-def eos_ids(src: Source, config) -> list[int]:
-    """EOS ids from generation_config.json (a list for chat models) and the model config."""
+# Tokens that end a turn or a text in the tokenizers specrt meets (Qwen: <|im_end|> ends a chat turn,
+# <|endoftext|> a document): a GGUF carries one EOS id in its metadata, and no generation config listing both.
+END_TOKENS = ("<|endoftext|>", "<|im_end|>")
+
+
+def eos_ids(src: Source, config, tokenizer_file: Path | None = None) -> list[int]:
+    """EOS ids from generation_config.json (a list for chat models) and the model config; from a GGUF,
+    also the ids of END_TOKENS in `tokenizer_file` (the pair's tokenizer.json) where it has them."""
     ids = []
     try:
         from transformers import GenerationConfig
@@ -112,6 +121,11 @@ def eos_ids(src: Source, config) -> list[int]:
     except Exception:
         pass  # a checkpoint without generation_config.json: the model config's eos below
     ids.append(getattr(config, "eos_token_id", None))
+    if src.kind == "gguf" and tokenizer_file is not None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        ids.extend(tok.token_to_id(t) for t in END_TOKENS)
     flat = []
     for i in ids:
         for j in i if isinstance(i, (list, tuple)) else [i]:

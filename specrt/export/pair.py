@@ -6,13 +6,14 @@ a half-written pair folder never looks valid.
 from __future__ import annotations
 
 import gc
+import glob
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, sha256_file
+from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, sha256_file, write_manifest
 from specrt.errors import ExportError
 from specrt.export.graph import SUPPORTED_MODEL_TYPES
 
@@ -107,13 +108,17 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder; choose another --out")
-    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
-        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExportError(f"cannot create {out.parent}: {e.strerror}") from None
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    try:
+        recover(out, log)
+    except OSError as e:
+        raise ExportError(f"cannot tidy up after an earlier export to {out}: {e.strerror or e}") from None
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    tmp = _aside(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -139,12 +144,12 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
         for name in TOKENIZER_FILES:
             if (tmp / "tok-target" / name).is_file():
                 shutil.copy2(tmp / "tok-target" / name, tmp / name)
+        eos = load.eos_ids(sources["target"], configs["target"], tmp / "tokenizer.json")
         output_ids = {}
         if cfg.draft_vocab >= vocab:
             log(f"draft vocabulary: --draft-vocab {cfg.draft_vocab} >= the {vocab} ids of the pair, keeping them all")
         elif cfg.draft_vocab:
-            output_ids["draft"] = draft_vocab_ids(cfg, tmp / "tokenizer.json", vocab,
-                                                  load.eos_ids(sources["target"], configs["target"]), log)
+            output_ids["draft"] = draft_vocab_ids(cfg, tmp / "tokenizer.json", vocab, eos, log)
         entries = {}
         for role, src in sources.items():
             log(f"exporting {role} ({src.spec}) ...")
@@ -152,7 +157,6 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
             gc.collect()
         for role in roles:
             shutil.rmtree(tmp / f"tok-{role}")
-        eos = load.eos_ids(sources["target"], configs["target"])
         manifest = Manifest(
             vocab_size=vocab,
             eos_token_ids=tuple(i for i in eos if i < vocab),
@@ -168,7 +172,7 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
             from specrt.engines import trt
 
             manifest = trt.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log)
-        (tmp / MANIFEST_NAME).write_text(manifest.to_json())
+        write_manifest(tmp, manifest)
         _swap_in(tmp, out)
         return manifest
     except OSError as e:
@@ -178,17 +182,54 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
 
 
 def _swap_in(new: Path, out: Path) -> None:
-    """Replace `out` by `new`; an old pair is moved aside first and put back if the swap fails."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    """Replace `out` by `new`; an old pair is moved aside first and put back if the swap fails
+    (after a crash between the two renames, the next export to `out` puts it back: `recover`)."""
+    old = _aside(out, "old", os.getpid())
     if out.exists():
         os.replace(out, old)
     try:
         os.replace(new, out)
-    except OSError:
-        if old.exists():
+    except BaseException:  # a full disk, or Ctrl-C between the two renames
+        if old.exists() and not out.exists():
             os.replace(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _aside(out: Path, kind: str, pid: int) -> Path:
+    """Where an export keeps things beside `out`: the folder it writes (partial), the pair it replaces (old)."""
+    return out.parent / f".{out.name}.{kind}-{pid}"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours are left over from an earlier export in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: someone else's live process
+        return True
+    return True
+
+
+def recover(out: Path, log=print) -> None:
+    """Tidy up after an export to `out` that died before it finished (killed, power cut), so nothing is lost
+    and nothing is left behind: its temporary folder is removed; the old pair it had moved aside (a crash
+    between the two renames of `_swap_in`) is put back if `out` is missing, or removed if `out` is a complete
+    pair. Exports still running (their process alive) are left alone."""
+    for kind in ("partial", "old"):
+        for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*")):
+            pid = p.name.rsplit("-", 1)[1]
+            if not pid.isdigit() or _alive(int(pid)) or not p.is_dir():
+                continue
+            if kind == "partial":
+                shutil.rmtree(p, ignore_errors=True)
+            elif not out.exists():
+                os.replace(p, out)
+                log(f"restored {out} (an earlier export was interrupted while replacing it)")
+            elif (out / MANIFEST_NAME).is_file():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def param_count(c) -> int:

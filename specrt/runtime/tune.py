@@ -6,7 +6,7 @@ on the given prompts, and records the fastest setting with the numbers that chos
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import platform
 import statistics
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.config import MANIFEST_NAME
+from specrt.config import read_manifest, write_manifest
 from specrt.runtime.bench import run_bench
 
 
@@ -81,9 +81,5 @@ def tune(pair, prompts, max_new_tokens: int, repeats: int, draft_lens: list, dra
 
 def write_tuned(pair_dir: Path, tuned: dict) -> None:
     """Store the tuned settings (without the full bench table) in the manifest, atomically."""
-    path = Path(pair_dir) / MANIFEST_NAME
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    raw["tuned"] = {k: v for k, v in tuned.items() if k != "bench"}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(raw, indent=2))
-    os.replace(tmp, path)
+    m = read_manifest(pair_dir)
+    write_manifest(pair_dir, dataclasses.replace(m, tuned={k: v for k, v in tuned.items() if k != "bench"}))
