@@ -21,7 +21,7 @@ else
   PAIR=pairs/qwen2.5-coder-0.5b-1.5b-int4
   if [ ! -f "$PAIR/manifest.json" ]; then
     specrt export --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
-      --out "$PAIR" --precision int4 --draft-vocab 49152 --max-len 2048 --overwrite
+      --out "$PAIR" --precision int4 --max-len 2048 --overwrite
   fi
   K=2
 fi

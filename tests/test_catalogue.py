@@ -21,7 +21,8 @@ from click.testing import CliRunner
 import specrt
 from _helpers import WORDS, copy_pair, export
 from specrt.cli import main
-from specrt.cli_trust import check, info
+from specrt.cli.check import check
+from specrt.cli.info import info
 from specrt.config import sha256_file
 from specrt.errors import ConfigError, ExportError, FetchError, PairError, SpecrtError
 
@@ -424,7 +425,7 @@ def _enospc_on_final_rename(monkeypatch):
     real = os.replace
 
     def replace(src, dst, *a, **kw):
-        if ".partial-" in os.fspath(src):
+        if ".partial-" in os.path.basename(os.fspath(src)):  # the pair folder's rename, not its manifest's
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(dst))
         return real(src, dst, *a, **kw)
 

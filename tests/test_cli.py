@@ -64,6 +64,9 @@ def test_export_command(hf_tiny, tmp_path):
     with specrt.load(out) as pair:
         m = pair.manifest
         assert (m.max_len, m.max_draft_len, m.target.model_type) == (128, 4, "llama")
+        # the default --draft-vocab is larger than this vocabulary: no restriction
+        assert m.draft.output_ids is None and m.draft.logits_width == 352  # every row, the padding too
+    assert "keeping them all" in r.stderr
     r = invoke("generate", out, "--prompt", "def fib(n):", "--max-new-tokens", 8, "--json")
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["tokens"]) == 8
@@ -115,3 +118,50 @@ def test_generate_stop_and_target_only(qwen_dir, qwen_pair):
     assert r.exit_code == 0, r.output
     assert r.stdout == full.text[: full.text.find(stop)] + "\n"
     assert "draft_len 0" in r.stderr
+
+
+# ---------------------------------------------------------------- defaults and the command's layout
+
+
+@pytest.mark.parametrize("args,draft_vocab", [
+    (["--draft", "D"], 49152),  # the default with a draft
+    (["--draft", "D", "--draft-vocab", "0"], 0),  # 0: the full vocabulary
+    (["--draft", "D", "--draft-vocab", "300"], 300),
+    ([], 0),  # no draft: nothing to restrict
+])
+def test_export_draft_vocab_default(monkeypatch, tmp_path, args, draft_vocab):
+    from types import SimpleNamespace
+
+    from specrt.cli.export import DEFAULT_DRAFT_VOCAB
+
+    seen = []
+
+    def export_pair(cfg, log):
+        seen.append(cfg)
+        return SimpleNamespace(vocab_size=1, max_len=16, max_draft_len=1)
+
+    monkeypatch.setattr("specrt.export.pair.export_pair", export_pair)
+    r = invoke("export", "--target", "T", *args, "--out", tmp_path / "o")
+    assert r.exit_code == 0, r.output
+    assert seen[0].draft_vocab == draft_vocab
+    assert DEFAULT_DRAFT_VOCAB == 49152 and "default: 49152" in invoke("export", "--help").stdout
+
+
+def test_every_command_module_is_registered():
+    import pkgutil
+
+    import specrt.cli
+
+    modules = {m.name for m in pkgutil.iter_modules(specrt.cli.__path__)} - {"common", "__main__"}
+    assert {c.callback.__module__ for c in main.commands.values()} == {f"specrt.cli.{m}" for m in modules}
+
+
+def test_bad_input_exits_2_without_patching_click(tmp_path):
+    import click
+
+    assert click.ClickException.exit_code == 1  # click's own, left alone
+    r = invoke("info", tmp_path / "nope")
+    assert r.exit_code == 2 and r.stderr == f"Error: pair folder not found: {tmp_path / 'nope'}\n"
+    r = invoke("generate", tmp_path / "nope", "--prompt", "x", "--draft-len", "zz")  # click's usage error
+    assert r.exit_code == 2 and "Invalid value for '--draft-len'" in r.stderr
+

@@ -1,4 +1,4 @@
-"""`specrt batch` (cli_batch.py, runtime/jobs.py): results, bad input, job identity, resume after SIGKILL."""
+"""`specrt batch` (cli/batch.py, runtime/jobs.py): results, bad input, job identity, resume after SIGKILL."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import time
 
 from click.testing import CliRunner
 
-from specrt.cli_batch import batch
+from specrt.cli.batch import batch
 from specrt.runtime.jobs import record_seed
 
 COUNTS = ("target_passes", "draft_passes", "rounds", "proposed", "accepted", "new_tokens")
@@ -243,11 +243,11 @@ def test_progress_bar_on_stderr(qwen_dir, tmp_path):
 
 
 def _cli():
-    """`python -m specrt.cli batch` once cli.py registers the command, else the module itself."""
+    """`python -m specrt.cli batch`, and `batch` is what the `specrt` command registers."""
     from specrt.cli import main
 
-    return [sys.executable, "-m", "specrt.cli", "batch"] if "batch" in main.commands else \
-        [sys.executable, "-m", "specrt.cli_batch"]
+    assert main.commands["batch"] is batch
+    return [sys.executable, "-m", "specrt.cli", "batch"]
 
 
 def _complete_lines(path) -> int:

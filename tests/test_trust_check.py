@@ -1,4 +1,4 @@
-"""`specrt check` and `specrt info` (specrt/cli_trust.py) and the statistics behind check."""
+"""`specrt check` and `specrt info` (specrt/cli/check.py, info.py; runtime/check.py, info.py) and the statistics behind check."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from scipy import stats
 
 from _helpers import copy_pair
-from specrt.cli_trust import check, info
+from specrt.cli.check import check
+from specrt.cli.info import info
 from specrt.runtime import check as chk
 
 
@@ -265,8 +266,6 @@ def test_registered_on_the_specrt_command(tmp_path):
 
     from specrt.cli import main
 
-    if not {"info", "check"} <= set(main.commands):
-        pytest.skip("specrt/cli.py does not register `info` and `check` yet")
     assert main.commands["info"] is info and main.commands["check"] is check
     p = subprocess.run([sys.executable, "-m", "specrt.cli", "info", str(tmp_path / "nope")], capture_output=True,
                        text=True, timeout=60)

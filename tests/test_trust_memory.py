@@ -53,7 +53,8 @@ def test_an_older_manifest_is_estimated_from_file_sizes(qwen_dir, tmp_path):
 def test_budgets(qwen_dir):
     from click.testing import CliRunner
 
-    from specrt.cli_trust import info, pair_info
+    from specrt.cli.info import info
+    from specrt.runtime.info import pair_info
 
     assert memory.parse_budget("orin-nano-8gb") == ("orin-nano-8gb", 8 << 30, memory.OS_RESERVE)
     assert memory.parse_budget(" 123456 ") == ("123456 bytes", 123456, 0)
@@ -76,7 +77,7 @@ def test_budgets(qwen_dir):
 def test_info_measure_puts_the_estimate_beside_the_peak(qwen_dir):
     from click.testing import CliRunner
 
-    from specrt.cli_trust import info
+    from specrt.cli.info import info
 
     r = CliRunner().invoke(info, [str(qwen_dir), "--measure", "--json"])
     assert r.exit_code == 0, r.output
@@ -139,7 +140,7 @@ def test_cli_generate_and_info_report_it(qwen_dir, monkeypatch):
     from click.testing import CliRunner
 
     from specrt.cli import main
-    from specrt.cli_trust import info
+    from specrt.cli.info import info
 
     est = memory.estimate(qwen_dir, read_manifest(qwen_dir))
     avail = est.fixed() + 50 * sum(est.kv_per_token.values())
@@ -159,7 +160,7 @@ def test_info_says_an_older_int4_pair_could_be_smaller(int4_dir, tmp_path):
     from click.testing import CliRunner
 
     from _helpers import copy_pair
-    from specrt.cli_trust import info
+    from specrt.cli.info import info
 
     d = copy_pair(int4_dir, tmp_path / "old")
     raw = json.loads((d / "manifest.json").read_text())

@@ -4,6 +4,7 @@
   logit margin between the two candidates tells a near-tie (numerics) from a bug.
 - `second_token_test`: the second generated token of speculative sampling (the first one that
   goes through draft-and-verify) against its exact distribution under the target, chi-square.
+- `check_pair`: both, the way `specrt check` runs them (every prompt compared, then the sampling test).
 
 Both use the target engine directly (they hold the Pair while they do, like a generation).
 """
@@ -14,6 +15,7 @@ import math
 import numpy as np
 
 from specrt.config import GenerationConfig, ModelEntry, SamplingConfig
+from specrt.errors import ConfigError
 
 P_MIN = 1e-4  # the statistical test fails below this p-value (about 1 false alarm in 10,000 runs)
 MIN_EXPECTED = 5.0  # chi-square bins are merged until each expects at least this many samples
@@ -194,3 +196,60 @@ def second_token_test(pair, prompt: list[int], samples: int = 400, draft_len: in
     stat, dof, p = chi_square(counts, probs)
     return {"samples": samples, "draft_len": k, "drafter": drafter, "first_tokens": len(top),
             "mass_covered": covered, "chi2": stat, "dof": dof, "p_value": p, "ok": p >= P_MIN}
+
+
+# ---------------------------------------------------------------- the whole check
+
+BUILTIN_PROMPTS = (
+    "def quicksort(xs):",
+    "def fib(n):\n    ",
+    "class Stack:\n    def __init__(self):",
+    "The quick brown fox",
+)
+
+
+def builtin_prompts(pair, limit: int | None = None) -> list:
+    """A few short code and text prompts (runtime/bench.Prompt), for a check without a prompt file."""
+    from specrt.runtime.bench import Prompt
+
+    return [Prompt(str(i), pair.encode(p), "builtin") for i, p in enumerate(BUILTIN_PROMPTS, 1)][:limit]
+
+
+def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4, samples: int = 400,
+               on_event=None) -> dict:
+    """Is `pair` lossless here: per prompt (runtime/bench.Prompt), greedy speculative vs greedy target-only
+    (`first_divergence`, `classify`); then, unless `samples` is 0, `second_token_test` on the first prompt.
+
+    Returns {"draft_len", "drafter", "max_new_tokens", "threshold", "numerics", "prompts": [{"id", "verdict",
+    "index", "margin", "tokens"}], "sampling": {"prompt", ...second_token_test's result} or None, "ok"}.
+    `on_event(kind, data)` as it goes: ("start", the result so far) once every request is found valid,
+    before anything runs; ("prompt", a prompt's row) after each comparison; ("sampling", {"prompt",
+    "samples", "draft_len", "drafter"}) before the sampling test; ("sampled", its result) after it.
+    """
+    on_event = on_event or (lambda kind, data: None)
+    drafter = "model" if pair.draft is not None else "ngram"
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, drafter=drafter)
+    for p in prompts:  # every bad setting is reported before anything runs
+        try:
+            pair._check_request(p.ids, cfg)
+        except ConfigError as e:
+            raise ConfigError(f"prompt {p.id}: {e}") from None
+    threshold, why = noise_threshold(pair.manifest.target)
+    out = {"draft_len": draft_len, "drafter": drafter, "max_new_tokens": max_new_tokens, "threshold": threshold,
+           "numerics": why, "prompts": [], "sampling": None}
+    on_event("start", out)
+    for p in prompts:
+        d = first_divergence(pair, p.ids, max_new_tokens, draft_len, drafter)
+        row = {"id": p.id, "verdict": classify(d, pair.manifest.target), "index": d["index"], "margin": d["margin"],
+               "tokens": len(d["target_only"])}
+        out["prompts"].append(row)
+        on_event("prompt", row)
+    if samples:
+        k = min(2, pair.manifest.max_draft_len)
+        on_event("sampling", {"prompt": prompts[0].id, "samples": samples, "draft_len": k, "drafter": drafter})
+        s = second_token_test(pair, prompts[0].ids, samples=samples, draft_len=k, drafter=drafter)
+        out["sampling"] = {"prompt": prompts[0].id, **s}
+        on_event("sampled", out["sampling"])
+    bugs = sum(r["verdict"] == "BUG" for r in out["prompts"])
+    out["ok"] = not bugs and (out["sampling"] is None or out["sampling"]["ok"])
+    return out

@@ -1,27 +1,11 @@
-"""`specrt batch`: an offline job over a JSONL file of prompts (runtime/jobs.py does the work).
-
-Registered in specrt.cli with `main.add_command(batch)`; also runs as `python -m specrt.cli_batch`.
-"""
+"""`specrt batch`: an offline job over a JSONL file of prompts (runtime/jobs.py does the work)."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import click
 
-
-def _errors(fn):
-    """specrt.cli's `_errors` (bad input: one `Error:` line, exit code 2), looked up when the command
-    runs: specrt.cli imports this module to register `batch`, so importing it here at import time
-    would be circular under `python -m specrt.cli`."""
-
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        from specrt.cli import _errors as errors
-
-        return errors(fn)(*a, **kw)
-
-    return wrapper
+from specrt.cli.common import errors, parse_draft_len
 
 
 def _batch_size(ctx, param, value):
@@ -39,11 +23,9 @@ def _batch_size(ctx, param, value):
 
 def _draft_len(ctx, param, value):
     """generate's --draft-len parser, minus 'auto' (a batch needs a fixed draft length)."""
-    from specrt.cli import _draft_len as parse  # looked up at run time: specrt.cli imports this module
-
     if value is None:
         return None
-    k = parse(value)
+    k = parse_draft_len(value)
     if k == "auto":
         raise click.BadParameter("a batch needs a fixed draft length (an integer >= 0), not 'auto'")
     return k
@@ -84,7 +66,7 @@ def _draft_len(ctx, param, value):
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA for a pair with fp16 activations on a machine with a GPU, else the CPU "
                    "(Ray actors run on the CPU).")
-@_errors
+@errors
 def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
           drafter, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress, device):
     """Run a JSONL file of prompts through batched speculative decoding into a JSONL file of results.
@@ -100,7 +82,3 @@ def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, tempera
     run_job(pair_dir, input_path, output_path, settings, batch_size=batch_size, overwrite=overwrite,
             ray_address=ray_address, ray_actors=ray_actors, ray_cpus_per_actor=ray_cpus_per_actor,
             progress=progress, device=device)
-
-
-if __name__ == "__main__":
-    batch()

@@ -1,0 +1,69 @@
+"""`specrt bench`: tokens/s per draft length and drafter, against target-only (runtime/bench.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import batch_size_list, device_option, draft_len_list, errors, load_pair
+
+
+@click.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), multiple=True,
+              help="JSONL file: one {id, prompt | messages, class, chat} per line (repeat for several files).")
+@click.option("--prompt", "prompt_text", default=None, help="A single chat prompt instead of --prompts.")
+@click.option("--draft-lens", default="0,1,2,3,4,6,8", show_default=True, callback=draft_len_list,
+              help="Comma-separated draft lengths to compare (0 = target only; 'auto' allowed).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens per generation.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median reported).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--drafters", default=None,
+              help="Comma-separated drafters to compare: model, ngram, hybrid (default: the pair's default drafter).")
+@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--batch-sizes", default=None, callback=batch_size_list,
+              help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "
+                   "(whole prompt list per setting, slots refilled; fixed draft lengths only).")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
+@device_option
+@errors
+def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
+          batch_sizes, json_out):
+    """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
+    from specrt.config import SamplingConfig
+    from specrt.errors import ConfigError
+    from specrt.runtime.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench,
+                                      run_bench)
+
+    if bool(prompts) == (prompt_text is not None):
+        raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
+    if json_out is not None:  # fail now, not after the whole run (and create nothing yet)
+        folder = json_out.parent if str(json_out.parent) else Path(".")
+        if json_out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"cannot write --json {json_out}: not a writable file path")
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    sampling = SamplingConfig(temperature=temperature)
+    with load_pair(pair_dir, device) as pair:
+        plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
+        names = [d.strip() for d in (drafters or pair.default_drafter).split(",") if d.strip()]
+        if batch_sizes:
+            if len(names) != 1:
+                raise ConfigError("--batch-sizes compares batch sizes for one drafter; give one in --drafters")
+            with click.progressbar(length=repeats * len(draft_lens) * len(batch_sizes), label="bench",
+                                   file=sys.stderr) as bar:
+                res = run_batch_bench(pair, plist, batch_sizes, draft_lens, max_new_tokens, repeats, sampling,
+                                      drafter=names[0], progress=lambda: bar.update(1))
+            table = format_batch_table(res)
+        else:
+            with click.progressbar(length=repeats * len(draft_lens) * len(plist) * len(names), label="bench",
+                                   file=sys.stderr) as bar:
+                res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling, drafters=names,
+                                progress=lambda: bar.update(1))
+            table = format_table(res)
+    click.echo(table)
+    if json_out:
+        json_out.write_text(json.dumps(res, indent=2))

@@ -1,0 +1,64 @@
+"""`specrt generate`: one prompt through speculative decoding, streamed (runtime/pair.py)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import device_option, draft_len_value, errors, load_pair
+
+
+@click.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text (with --chat: the user message).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling.")
+@click.option("--draft-len", default=None, callback=draft_len_value,
+              help="Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured acceptance "
+                   "and costs). Default: what `specrt tune` chose for this pair, else auto.")
+@click.option("--confidence-stop", type=float, default=None,
+              help="Stop a model draft early once its top probability falls below this (0 = never; default: tuned or 0).")
+@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
+              help="model: the pair's draft model (default if it has one); ngram: prompt lookup, no draft model "
+                   "(default otherwise); hybrid: the n-gram proposal when there is one, else the model.")
+@click.option("--draft-window", type=int, default=None,
+              help="The most tokens the draft model reads in one catch-up (the prompt, what n-gram rounds emitted); "
+                   "further behind, it reads only the last ones (0 = no limit; default: 32 on the CPU, none on a GPU).")
+@click.option("--ngram-max", type=int, default=16, show_default=True,
+              help="Longest suffix (1..16 tokens) the prompt-lookup drafter matches (ngram, hybrid).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
+@device_option
+@errors
+def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
+             draft_window, ngram_max, stop, chat, as_json):
+    """Generate text with speculative decoding from a pair folder."""
+    from specrt.config import SamplingConfig
+
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    with load_pair(pair_dir, device) as pair:
+        cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
+                          drafter=drafter, confidence_stop=confidence_stop, draft_window=draft_window,
+                          ngram_max=ngram_max, sampling=sampling)
+        ids = pair.encode(prompt, chat=chat)
+        stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
+        res = pair.run(ids, cfg, on_text=stream)
+    if as_json:
+        click.echo(json.dumps({"tokens": res.tokens, "text": res.text, "finish_reason": res.finish_reason,
+                               "stats": res.stats}))
+    else:
+        click.echo()
+        click.echo(summary(res.stats), err=True)
+
+
+def summary(s: dict) -> str:
+    """The one stderr line after a streamed generation."""
+    return (f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, draft_len {s['draft_len']}, "
+            f"acceptance {s['acceptance_rate']:.0%}, {s['tokens_per_target_pass']:.2f} tokens/target pass, "
+            f"ttft {s['ttft_s'] * 1000:.0f} ms]")

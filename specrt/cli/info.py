@@ -1,0 +1,115 @@
+"""`specrt info`: what a pair folder holds, its memory against this machine or a board (runtime/info.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import errors
+
+
+@click.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@click.option("--budget", default=None, metavar="BOARD|BYTES",
+              help="Check the pair against a board's memory (orin-nano-8gb, orin-nx-16gb, agx-orin-64gb; the OS's "
+                   "and the CUDA context's share assumed taken) or a number of bytes for specrt.")
+@click.option("--measure", "do_measure", is_flag=True,
+              help="Also load the pair and run a 128-token generation: the measured peak memory beside the estimate.")
+@errors
+def info(pair_dir, as_json, budget, do_measure):
+    """Show a pair folder: models, sizes, estimated memory, limits, tuned settings, engines."""
+    from specrt.runtime.info import measure, pair_info
+    from specrt.runtime.memory import fmt
+
+    d = pair_info(pair_dir, budget)
+    if do_measure:
+        d["measured"] = meas = measure(pair_dir)
+    click.echo(json.dumps(d, indent=2) if as_json else format_info(d))
+    if do_measure and not as_json:
+        click.echo(f"measured:  peak resident memory {fmt(meas['peak_rss'])} after a {meas['new_tokens']}-token "
+                   f"generation; the estimate for its {meas['tokens']} cache positions: {fmt(meas['estimate'])} "
+                   f"({meas['ratio'] - 1:+.0%})")
+
+
+def _quant_text(q: dict | None) -> str:
+    if not q:
+        return "none"
+    parts = [f"{q.get('method', '?')} {q.get('bits', '?')}-bit"]
+    if "block_size" in q:
+        parts.append(f"block {q['block_size']}")
+    if "accuracy_level" in q:
+        parts.append(f"accuracy level {q['accuracy_level']}")
+    if "symmetric" in q:
+        parts.append("symmetric" if q["symmetric"] else "asymmetric")
+    return ", ".join(parts)
+
+
+def format_info(d: dict) -> str:
+    from specrt.runtime.memory import fmt
+
+    lines = [f"pair:      {d['pair']}  ({d['format']} v{d['format_version']}, created by {d['created_by'] or '?'})",
+             f"vocab:     {d['vocab_size']} ids, EOS {d['eos_token_ids']}",
+             f"max_len:   {d['max_len']} tokens (prompt + output + draft_len + 1; fixed at export)",
+             f"max_draft_len: {d['max_draft_len']}",
+             f"tokenizer: {', '.join(d['tokenizer_files'])}"]
+    for role in ("target", "draft"):
+        e = d["models"].get(role)
+        if e is None:
+            lines.append(f"{role + ':':<11}none (target-only pair: the n-gram drafter proposes)")
+            continue
+        lines.append(f"{role + ':':<11}{e['model_type']} from {e['source']}")
+        emb = e.get("embedding")
+        lines.append(f"           precision {e['precision']} ({e['dtype']} activations/KV), quantization "
+                     f"{_quant_text(e['quantization'])}"
+                     + (f"; embeddings {emb['bits']}-bit, block {emb['block_size']}" if emb else ""))
+        lines.append(f"           {e['layers']} layers, {e['kv_heads']} KV heads x head_dim {e['head_dim']}, "
+                     f"logits {e['logits_width']} wide; {fmt(e['size_bytes'])} on disk")
+        graph = {"lean": "lean (fused onnxruntime ops, caches read and written in place)",
+                 "portable": "portable (standard ops, for TensorRT)",
+                 "contrib": "exported by an older specrt: re-export for the lean graph (faster, and batches)"}
+        lines.append(f"           graph {graph.get(e['graph'], e['graph'])}")
+    mem = d["memory"]
+    per = sum(mem["kv_bytes_per_token"].values())
+    lines.append(f"memory:    about {fmt(mem['total'])} to load (estimate)")
+    for role in d["models"]:
+        lines.append(f"           {role}: weights {fmt(mem['weights'][role])}, KV cache {fmt(mem['kv_cache'][role])}, "
+                     f"logits {fmt(mem['logits'][role])}")
+    lines.append(f"           workspace {fmt(mem['workspace'])} (Python, onnxruntime, the tokenizer, sessions, "
+                 f"activations); KV {per / 1024:.1f} KB per token of max_len")
+    if mem["available"] is None:
+        lines.append("           available: unknown (no /proc/meminfo); not checked")
+    elif mem["fits"]:
+        lines.append(f"           available: {fmt(mem['available'])}: fits")
+    else:
+        hint = (f"re-export with --max-len {mem['max_len_that_fits']}" if mem["max_len_that_fits"]
+                else "the weights alone do not fit")
+        lines.append(f"           available: {fmt(mem['available'])}: DOES NOT FIT ({hint})")
+    b = d.get("budget")
+    if b is not None:
+        kept = (f", {fmt(b['os_reserve'])} assumed kept by the OS" if b["os_reserve"] else "") + \
+               (f" and {fmt(b['cuda_context'])} by the CUDA context" if b["cuda_context"] else "")
+        verdict = "fits" if b["fits"] else (
+            f"DOES NOT FIT (re-export with --max-len {b['max_len_that_fits']})" if b["max_len_that_fits"]
+            else "DOES NOT FIT (the weights alone do not fit)")
+        lines.append(f"budget:    {b['name']}: {fmt(b['total'])}{kept}, {fmt(b['for_specrt'])} for specrt: {verdict}")
+    if plain := [r for r, e in d["models"].items() if e["precision"] == "int4" and not e.get("embedding")]:
+        lines.append(f"           the {' and '.join(plain)} embeddings are not quantized (exported by an older specrt): "
+                     "a re-export stores them in int4, about half the pair's size on disk")
+    t = d["tuned"]
+    if t is None:
+        lines.append("tuned:     no (defaults: drafter model or ngram, draft_len auto); run `specrt tune` on this machine")
+    else:
+        meas = t.get("measured") or {}
+        speed = f"{meas['tokens_per_s']:.1f} tok/s" if meas.get("tokens_per_s") is not None else "speed not recorded"
+        if meas.get("speedup"):
+            speed += f", {meas['speedup']:.2f}x target-only"
+        where = ", ".join(str(meas[k]) for k in ("date", "machine") if meas.get(k))
+        lines.append(f"tuned:     drafter {t['drafter']}, draft_len {t['draft_len']}, confidence_stop "
+                     f"{t['confidence_stop']}: {speed}" + (f" (measured {where})" if where else ""))
+        if t["stale"]:
+            lines.append("           STALE: measured on other graphs; loading refuses it until `specrt tune` runs again")
+    for e in d["engines"]:
+        lines.append(f"engines:   {e['name']} {e['version'] or '(not installed)'}, {e['provider']}: {e['note']}")
+    return "\n".join(lines)

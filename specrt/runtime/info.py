@@ -1,0 +1,108 @@
+"""What a pair folder holds and what it needs here, as data (`specrt info`): models, sizes, the memory
+estimate against this machine or a board, tuned settings, the engines that can run it. Reads the manifest
+and file sizes; `measure` also loads the pair and generates once.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
+    """Everything `specrt info` shows, as a JSON-able dict. Reads the manifest and file sizes only.
+    `budget`: a board name or a number of bytes (runtime/memory.parse_budget) to check the pair against."""
+    from specrt.config import read_manifest
+    from specrt.errors import PairError
+    from specrt.runtime import memory
+
+    m = read_manifest(pair_dir)
+    for e in (m.target, m.draft):
+        for name in e.files if e is not None else ():
+            if not (Path(pair_dir) / name).is_file():
+                raise PairError(f"missing graph file {Path(pair_dir) / name} (listed in the manifest)")
+    est = memory.estimate(pair_dir, m)
+    avail = memory.available_bytes()
+    models = {}
+    for role, e in (("target", m.target), ("draft", m.draft)):
+        if e is None:
+            continue
+        models[role] = {
+            "source": e.source, "model_type": e.model_type, "precision": e.precision, "dtype": e.dtype,
+            "quantization": e.quantization, "layers": e.num_layers, "kv_heads": e.num_kv_heads,
+            "head_dim": e.head_dim, "logits_width": e.logits_width, "size_bytes": memory.graph_bytes(pair_dir, e),
+            "files": sorted(e.files), "graph": e.graph, "kv_layout": e.kv_layout, "embedding": e.embedding,
+        }
+    tuned = None
+    if m.tuned:
+        t = m.tuned
+        tuned = {k: t.get(k) for k in ("drafter", "draft_len", "confidence_stop", "acceptance", "costs", "measured")}
+        tuned["stale"] = t.get("graphs") != m.graph_hashes()
+    try:
+        import onnxruntime as ort
+
+        ort_version = ort.__version__
+    except ImportError:  # pragma: no cover - a runtime dependency
+        ort_version = None
+    fits = None if avail is None else est.total <= avail
+    board = None
+    if budget is not None:
+        name, total, reserve = memory.parse_budget(budget)
+        cuda = memory.CUDA_CONTEXT if (m.for_gpu and reserve) else 0
+        room = total - reserve - cuda
+        board = {"name": name, "total": total, "os_reserve": reserve, "cuda_context": cuda, "for_specrt": room,
+                 "needs": est.total, "fits": est.total <= room,
+                 "max_len_that_fits": est.max_len_that_fits(room) if est.total > room else None}
+    return {
+        "pair": str(pair_dir), "format": m.format, "format_version": m.format_version, "created_by": m.created_by,
+        "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids), "max_len": m.max_len,
+        "max_draft_len": m.max_draft_len, "kv_layout": m.kv_layout, "tokenizer_files": list(m.tokenizer_files),
+        "models": models,
+        "memory": {**est.as_dict(), "available": avail, "fits": fits,
+                   "max_len_that_fits": est.max_len_that_fits(avail) if fits is False else None},
+        "budget": board,
+        "tuned": tuned,
+        "engines": _engines(m, ort_version),
+    }
+
+
+def _engines(m, ort_version) -> list[dict]:
+    """What can run this pair here: onnxruntime CPU always, CUDA for a pair with fp16 activations, TensorRT engines."""
+    from specrt.engines.ort import cuda_available
+
+    why = cuda_available() if ort_version else "onnxruntime is not installed"
+    gpu = "" if m.for_gpu else ("; this pair's graphs run on the CPU only (fp32 activations, or an older specrt's "
+                                "CPU ops): export with --precision fp16 (or int4 --activations fp16) for a GPU")
+    out = [{"name": "onnxruntime", "version": ort_version, "provider": "CPUExecutionProvider",
+            "note": "runs every pair (--device cpu)"},
+           {"name": "onnxruntime", "version": ort_version, "provider": "CUDAExecutionProvider",
+            "note": (why or "available") + gpu}]
+    try:
+        import tensorrt
+
+        trt_version = tensorrt.__version__
+    except ImportError:
+        trt_version = None
+    if m.engines:
+        built = f"engines built for TensorRT {m.engines.get('tensorrt_version')} on compute capability " \
+                f"{m.engines.get('compute_capability')} (unverified on hardware)"
+    else:
+        built = "no engines in this pair (specrt build-engines)"
+    out.append({"name": "tensorrt", "version": trt_version, "provider": "native", "note": built})
+    return out
+
+
+def measure(pair_dir: Path, max_new_tokens: int = 128) -> dict:
+    """Load the pair on the CPU and run one greedy generation of a built-in chat prompt: this process's peak
+    resident memory afterwards, beside the estimate for the same number of cache positions."""
+    import resource
+
+    from specrt.runtime import memory
+    from specrt.runtime.pair import load
+
+    with load(pair_dir, device="cpu") as pair:
+        res = pair.generate("Write a Python function is_palindrome(s) that ignores case, spaces and punctuation, "
+                            "with a short docstring.", chat=True, max_new_tokens=max_new_tokens, draft_len=2)
+        tokens = res.stats["prompt_tokens"] + res.stats["new_tokens"] + pair.manifest.max_draft_len + 1
+        est = memory.estimate(pair_dir, pair.manifest, tokens=tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"peak_rss": peak, "estimate": est.total, "tokens": tokens, "new_tokens": res.stats["new_tokens"],
+            "ratio": est.total / peak}
