@@ -1,70 +1,50 @@
-"""The in-process A/B harness of the bench/ab_*.py scripts.
+"""The A/B tool: variants of the drafting settings, priced, over the shipped prompts, in one process.
 
-Every prompt of bench/prompts/prompts.jsonl runs under every variant back to back (order rotated
-per prompt), each variant with its own learned acceptance, probe schedule and cost model (as a
-deployment running only that setting would have) and a cleared draft cache; a warm-up request per
-variant first. Prints per class the median over (prompt, repeat) of
-each variant's tokens/s ratio to the "none" variant of the same prompt and repeat, and the median
-and mean over all requests.
+    python bench/ab.py PAIR_DIR [--repeats N] [--frozen] [--table FILE] [--json OUT] [--limit N]
+        [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] VARIANT=OVERRIDES ...
+
+A variant is a name and comma-separated overrides of GenerationConfig fields (draft_len, drafter,
+draft_window, confidence_stop, ngram_max, ...) and runtime.policy.AutoConfig fields (probe_value,
+widen_every, ...), e.g. `model_auto=draft_len=auto,drafter=model` and
+`no_widen=draft_len=auto,drafter=model,widen_every=0`. A variant "none" (target-only) is always run.
+
+Every prompt runs under every variant back to back (order rotated per prompt), each variant with its
+own PolicyState (costs, acceptance, probe schedules, calibration), as a deployment running only that
+setting would have, and a cleared draft cache; a warm-up request per variant first. Prints per class
+the median over (prompt, repeat) of each variant's tokens/s ratio to "none" of the same prompt and
+repeat, by wall time and by priced time.
 
 Wall time on this 2-core machine spreads +-10-20% per request with identical work, which hides the
-few-percent differences the A/Bs look for. So each request is also *priced*: every engine pass is
-logged (model, tokens read) and charged what that pass costs in a table measured once at the start
-(median of 15 at each width, widths interleaved; a cache of 256 tokens for widths <= 16, an empty one above,
-linear in between). Each pass is timed as a drafting round meets it: a target pass right after two draft
-steps, a draft pass right after a target pass (tables before the tenth sitting timed each pass repeated
-alone and have no "pattern" entry; the two ways agree within the machine's run-to-run spread, so the
-3-10% that bench/live_costs.py saw drafting rounds' passes cost above the table is not the alternation). A priced ratio depends only on the passes a variant chose, not on the machine's
-mood while it ran them; it leaves out the loop's own Python time (bench/loop_overhead.py: well
-under 1 ms a round) and how attention grows with the context.
-With --frozen the variants also *plan* with that table (a cost model that ignores what it sees), so
-their choices no longer follow the timing noise either: greedy runs are then deterministic, and a
-priced difference is the policy's alone, for this one table of costs.
-
-A variant is (draft_len, drafter, setup[, config]): `setup()` puts that variant's code in place (the
-scripts monkeypatch one piece of specrt) right before each of its requests; `config`: more
-GenerationConfig fields (a dict).
+few-percent differences an A/B looks for. So each request is also *priced*: every engine pass is
+logged (model, tokens read) and charged what that pass costs in a table measured once (median of 15
+at each width, widths interleaved, each pass right after the passes a drafting round puts before it;
+a cache of 256 tokens for widths <= 16, an empty one above, linear in between). A priced ratio
+depends only on the passes a variant chose. It leaves out the loop's own Python time (well under 1 ms
+a round) and how attention grows with the context. With --frozen the variants also *plan* with that
+table (a cost model that ignores what it sees), so their choices no longer follow the timing noise:
+greedy runs are then deterministic, and a priced difference is the policy's alone, for this table.
 """
+import argparse
+import ast
 import copy
+import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
 
 import specrt
-from specrt.runtime.adaptive import Calibration, CostModel
+from specrt.config import GenerationConfig
 from specrt.runtime.bench import read_prompts
-
-
-def at_commit(commit: str, *names: str) -> dict:
-    """specrt.runtime modules (by name: "adaptive", "decode", ...) as they were at `commit`, loaded
-    under other names; a module imports the ones named before it from that commit too (decode, after
-    adaptive, then plans with that commit's AutoDraftLen)."""
-    mods = {}
-    for name in names:
-        src = subprocess.run(["git", "show", f"{commit}:specrt/runtime/{name}.py"], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).parent).stdout
-        for prev in mods:
-            src = src.replace(f"from specrt.runtime.{prev} import", f"from {prev}_{commit} import")
-        mod = sys.modules[f"{name}_{commit}"] = types.ModuleType(f"{name}_{commit}")
-        exec(compile(src, f"{name}_{commit}.py", "exec"), mod.__dict__)
-        mods[name] = mod
-    return mods
-
-
-def setting(obj, attr: str, value):
-    """A variant's setup: put `value` in place as `obj.attr` before each of its requests."""
-    def setup():
-        setattr(obj, attr, value)
-    return setup
+from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
 
 
 class FrozenCosts(CostModel):
+    """Costs that ignore what they see: a variant plans with the price table."""
+
     def observe_draft(self, seconds, passes):
         pass
 
@@ -127,7 +107,11 @@ class Meter:
         return logged
 
     def price(self, name: str, width: int) -> float:
-        return float(np.interp(width, self.WIDTHS, self.table[name]))
+        """Interpolated in the table; past its widest pass, linearly from its two widest."""
+        t, w = self.table[name], self.WIDTHS
+        if width > w[-1]:
+            return t[-1] + (t[-1] - t[-2]) / (w[-1] - w[-2]) * (width - w[-1])
+        return float(np.interp(width, w, t))
 
     def costs(self) -> CostModel:
         """A cost model fixed at the table's prices (draft catch-up: per token from widths 16..64)."""
@@ -143,10 +127,10 @@ class Meter:
         return total
 
 
-def priced_run(pair, meter: Meter, state: tuple, ids: list[int], cfg) -> dict:
-    """One request in a variant's own carried state (acceptance, probes, costs, calibration) with a cleared
-    draft cache; its stats, with "priced_s" the priced seconds of its passes."""
-    pair.acceptance, pair.probes, pair.costs, pair.calibration = state
+def priced_run(pair, meter: Meter, state: PolicyState, config: AutoConfig, ids: list[int], cfg) -> dict:
+    """One request in a variant's own state and settings with a cleared draft cache; its stats, with
+    "priced_s" the priced seconds of its passes."""
+    pair.state, pair.auto_config = state, config
     pair.draft_memory.forget()
     meter.take()
     stats = pair.run(ids, cfg).stats
@@ -154,41 +138,65 @@ def priced_run(pair, meter: Meter, state: tuple, ids: list[int], cfg) -> dict:
     return stats
 
 
-def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
-    """Run the A/B from the command line: PAIR_DIR REPEATS [VARIANT,...] [--json=OUT] [--limit=N]
-    [--prompts=FILE,FILE] (default bench/prompts/prompts.jsonl) [--frozen] [--table=FILE] (prices: read from
-    FILE, or measured and written there; with --frozen a replay of one variant then repeats its runs exactly)."""
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    frozen = "--frozen" in sys.argv[1:]
-    opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
-    if len(args) < 2:
-        sys.exit(usage)
-    if len(args) > 2:
-        variants = {v: variants[v] for v in ["none"] + args[2].split(",")}
-    pair = specrt.load(args[0])
-    files = opts.get("prompts", "bench/prompts/prompts.jsonl").split(",")
-    plist = read_prompts([Path(f) for f in files], pair, int(opts["limit"]) if "limit" in opts else None)
-    meter = Meter(pair, Path(opts["table"]) if "table" in opts else None)
+def parse_variant(text: str) -> tuple[str, dict, AutoConfig]:
+    """"name=field=value,field=value" -> (name, GenerationConfig overrides, AutoConfig)."""
+    name, _, rest = text.partition("=")
+    gen_fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    auto_fields = {f.name for f in dataclasses.fields(AutoConfig)}
+    gen, auto = {}, {}
+    for item in filter(None, rest.split(",")):
+        key, _, raw = item.partition("=")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw  # a bare word: "auto", "hybrid"
+        if key in gen_fields:
+            gen[key] = value
+        elif key in auto_fields:
+            auto[key] = value
+        else:
+            sys.exit(f"variant {name}: {key!r} is neither a GenerationConfig nor an AutoConfig field")
+    return name, gen, dataclasses.replace(AutoConfig(), **auto)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pair_dir")
+    ap.add_argument("variants", nargs="+", help="NAME=FIELD=VALUE,FIELD=VALUE")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--frozen", action="store_true", help="plan with the price table too (deterministic greedy runs)")
+    ap.add_argument("--table", type=Path, help="prices: read from FILE, or measured and written there")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--prompts", default="bench/prompts/prompts.jsonl", help="FILE[,FILE...]")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, help="onnxruntime threads (priced times do not depend on them)")
+    a = ap.parse_args(argv)
+    variants = {"none": ({"draft_len": 0}, AutoConfig())}
+    for text in a.variants:
+        name, gen, auto = parse_variant(text)
+        variants[name] = (gen, auto)
+    pair = specrt.load(a.pair_dir, threads=a.threads)
+    plist = read_prompts([Path(f) for f in a.prompts.split(",")], pair, a.limit)
+    meter = Meter(pair, a.table)
     print("priced pass times (ms) by width", {n: dict(zip(Meter.WIDTHS, (round(x * 1e3, 2) for x in t)))
-                                               for n, t in meter.table.items() if n != "pattern"},
-          "measured", meter.table.get("pattern", "alone"), flush=True)
-    state = {v: ({}, {}, meter.costs() if frozen else copy.deepcopy(pair.costs), Calibration()) for v in variants}
+                                               for n, t in meter.table.items() if n != "pattern"}, flush=True)
+    # each variant learns from nothing but its own requests (the pair's tuned acceptance is not used)
+    state = {v: PolicyState(costs=meter.costs() if a.frozen else copy.deepcopy(pair.state.costs)) for v in variants}
     res = {v: {} for v in variants}
 
     def run(v, p, n):
-        k, drafter, setup, *kw = variants[v]
-        setup()
-        return priced_run(pair, meter, state[v], p.ids,
-                          pair.config(max_new_tokens=n, draft_len=k, drafter=drafter, **(kw[0] if kw else {})))
+        gen, auto = variants[v]
+        return priced_run(pair, meter, state[v], auto, p.ids, pair.config(max_new_tokens=n, **gen))
 
     for v in variants:
-        run(v, plist[0], max_new_tokens // 2)
+        run(v, plist[0], a.max_new_tokens // 2)
     names = list(variants)
-    for r in range(int(args[1])):
+    for r in range(a.repeats):
         for i, p in enumerate(plist):
             shift = (r * len(plist) + i) % len(names)
             for v in names[shift:] + names[:shift]:
-                s = run(v, p, max_new_tokens)
+                s = run(v, p, a.max_new_tokens)
                 res[v].setdefault(p.id, []).append((s["new_tokens"], s["wall_s"], s["rounds_skipped"], s["draft_len_hist"],
                                                     s["priced_s"], s["rounds_by_drafter"]))
         print("repeat", r, flush=True)
@@ -205,10 +213,10 @@ def main(variants: dict, usage: str, max_new_tokens: int = 128) -> dict:
             print(c, {v: round(statistics.median(ratios(v, ids, col)), 3) for v in variants})
         print("all (median / mean)", {v: (round(statistics.median(ratios(v, cls, col)), 3),
                                           round(statistics.mean(ratios(v, cls, col)), 3)) for v in variants})
-    print("-- priced, per prompt (mean over repeats)")
-    for pid in cls:
-        print(pid, {v: round(statistics.mean(ratios(v, [pid], 4)), 3) for v in variants})
-    print("requests with >= 100 plain rounds", {v: sum(x[2] >= 100 for runs in res[v].values() for x in runs) for v in variants})
-    if "json" in opts:
-        Path(opts["json"]).write_text(json.dumps(res))
+    if a.json:
+        a.json.write_text(json.dumps(res))
     return res
+
+
+if __name__ == "__main__":
+    main()

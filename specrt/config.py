@@ -66,7 +66,7 @@ class GenerationConfig:
     ngram_max: int = 16  # longest suffix the prompt-lookup drafter matches (longer matches rank as equal)
     confidence_stop: float = 0.0  # a model draft stops early once its top probability falls below this
     # The most tokens a draft model's catch-up pass reads; further behind, it starts over from the last
-    # ones (0: no limit; None: the device's default, runtime.drafters.default_window).
+    # ones (0: no limit; None: the device's default, runtime.proposers.default_window).
     draft_window: int | None = None
 
     def __post_init__(self):

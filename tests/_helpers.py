@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from specrt.runtime.adaptive import CostModel
+from specrt.runtime.policy import CostModel
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]  # + 3 specials = 11 ids
 EOS_ID = 2  # "<|im_end|>" in every tiny tokenizer

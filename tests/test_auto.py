@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,9 +12,14 @@ from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joi
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.adaptive import AutoDraftLen, Calibration, CostModel
 from specrt.runtime.decode import decode
-from specrt.runtime.drafters import ModelDrafter
+from specrt.runtime.policy import Auto, AutoConfig, Calibration, Controller, CostModel, Fixed, PolicyState
+from specrt.runtime.proposers import LookupProposer, ModelProposer
+
+
+def config(**kw) -> AutoConfig:
+    """The default policy settings with some changed."""
+    return replace(AutoConfig(), **kw)
 
 
 def cheap_drafts():
@@ -28,21 +34,21 @@ def dear_drafts():
 
 
 def test_auto_controller_choices():
-    auto = AutoDraftLen(8, cheap_drafts(), prior=0.9)
+    auto = Controller(8, cheap_drafts(), config(prior=0.9))
     assert auto.choose(8) == 8 and auto.choose(3) == 3 and auto.choose(0) == 0
     assert auto.expected_tokens(0) == 1.0
     assert auto.expected_tokens(2) == pytest.approx(1 + 0.9 + 0.81)
-    dear = AutoDraftLen(8, dear_drafts(), prior=0.7, probe_budget=100.0)  # the schedule alone (no cost floor)
+    dear = Controller(8, dear_drafts(), config(prior=0.7, probe_budget=100.0))  # the schedule alone (no cost floor)
     picks = [dear.choose(8) for _ in range(16 + 32 + 64)]
     # plain decoding, probing after 16 rounds, then after 32, then 64: each failed probe doubles the wait
     assert [i for i, k in enumerate(picks) if k] == [15, 47, 111] and set(picks) == {0, 1}
     assert dear.rounds_skipped == len(picks) - 3
     costs = FrozenCosts(draft_s=0.5, target_s={1: 1.0, 9: 1.0})
-    turns = AutoDraftLen(8, costs, prior=0.1, probe_budget=100.0)
+    turns = Controller(8, costs, config(prior=0.1, probe_budget=100.0))
     assert [turns.choose(8) for _ in range(40)].count(0) == 39 and turns._gap == 32
     turns.accept = [0.95] * 8  # the numbers now say drafting pays: it drafts, and the probe gap resets
-    assert turns.choose(8) > 0 and turns._gap == turns.probe_every
-    assert AutoDraftLen(8, CostModel()).choose(8) == 2  # nothing measured yet: a short probe
+    assert turns.choose(8) > 0 and turns._gap == turns.c.probe_every
+    assert Controller(8, CostModel()).choose(8) == 2  # nothing measured yet: a short probe
     auto.observe(4, 1)  # position 0 accepted, position 1 rejected, 2.. not reached
     assert auto.accept[0] > 0.9 > auto.accept[1] and auto.accept[2] == 0.9
 
@@ -55,9 +61,10 @@ def test_probes_cost_at_most_their_budget():
     def first_probe(auto, behind=0):
         return next(i for i in range(5000) if auto.choose(8, behind))
 
-    gpu = AutoDraftLen(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 8.0, 9: 9.0}), prior=0.0)
-    cpu = AutoDraftLen(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), prior=0.0)
-    free = AutoDraftLen(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 7.5, 9: 9.0}), prior=0.0, free_draft=True)
+    gpu = Controller(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 8.0, 9: 9.0}), config(prior=0.0))
+    cpu = Controller(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), config(prior=0.0))
+    free = Controller(8, FrozenCosts(draft_s=6.4, target_s={1: 7.4, 2: 7.5, 9: 9.0}), config(prior=0.0),
+                      free_draft=True)
     assert first_probe(gpu) == 120 and first_probe(cpu) == 55 and first_probe(free) == 15
     assert first_probe(gpu) == 241  # then the wait doubles
     for auto, gap in ((gpu, 121), (cpu, 56)):
@@ -70,16 +77,16 @@ def test_probes_wait_for_a_cheap_catch_up():
     those same rounds, so inside a request no probe comes before `max_probe_every`; at the next
     request's start the draft is behind by its prompt only, and the rounds carried over pay for it."""
     costs = FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}, draft_read_s=2.3)
-    auto = AutoDraftLen(8, costs, prior=0.0, max_probe_every=600)
+    auto = Controller(8, costs, config(prior=0.0, max_probe_every=600))
     prompt = 50
     picks = [auto.choose(8, behind=prompt + i) for i in range(500)]  # one long request, plain throughout
     assert not any(picks) and auto.rounds_skipped == 500
     assert auto.probe_cost(prompt) == pytest.approx(10.0 + 49 * 2.3 + 4.0)
-    nxt = AutoDraftLen(8, costs, prior=0.0, max_probe_every=600)
+    nxt = Controller(8, costs, config(prior=0.0, max_probe_every=600))
     nxt.probe_state = auto.probe_state  # the next request, 500 plain rounds since the last probe
     assert nxt.choose(8, behind=prompt) == 1  # 500 * 0.015 * 29 = 217 >= 127 ms
     assert nxt.probe_cost(prompt) <= 0.015 * 500 * 29.0
-    long = AutoDraftLen(8, costs, prior=0.0, max_probe_every=600)
+    long = Controller(8, costs, config(prior=0.0, max_probe_every=600))
     picks = [long.choose(8, behind=prompt + i) for i in range(700)]
     assert [i for i, k in enumerate(picks) if k] == [599]  # at the latest after max_probe_every rounds
 
@@ -95,10 +102,10 @@ def test_cost_model_learns_the_catch_up_read():
 
 def test_hybrid_prices_the_draft_models_catch_up():
     """hybrid compares an n-gram round with a model round; leaving a caught-up draft model costs it a
-    catch-up pass later (about a draft step), which the n-gram side's rate carries (decode.py)."""
+    catch-up pass later (about a draft step), which the n-gram side's rate carries (policy.Auto.plan)."""
     costs = FrozenCosts(draft_s=0.4, target_s={1: 1.0, 2: 1.1, 5: 1.4})
-    ngram = AutoDraftLen(4, costs, prior=0.6, free_draft=True)
-    model = AutoDraftLen(4, costs, prior=0.9)
+    ngram = Controller(4, costs, config(prior=0.6), free_draft=True)
+    model = Controller(4, costs, config(prior=0.9))
     free, switching, drafted = ngram.best(4)[1], ngram.best(4, extra_s=0.4)[1], model.best(4)[1]
     assert free > drafted > switching  # behind already: the n-gram round; caught up: the model round
     assert switching == pytest.approx(max(ngram.expected_tokens(k) / (ngram.cost(k) + 0.4) for k in range(1, 5)))
@@ -108,7 +115,7 @@ def test_auto_re_measures_positions_past_its_choice():
     """A pessimistic estimate at position 2 must not stick: every 8 rounds one more token is drafted,
     and once position 2 is seen accepted again, k=2 wins back."""
     costs = FrozenCosts(draft_s=0.34, target_s={1: 1.0, 2: 1.15, 3: 1.3})
-    auto = AutoDraftLen(4, costs, accept=[0.9, 0.3, 0.3, 0.3])
+    auto = Controller(4, costs, accept=[0.9, 0.3, 0.3, 0.3])
     picks = [auto.choose(4) for _ in range(16)]
     assert picks.count(2) == 2 and set(picks) == {1, 2} and picks[7] == picks[15] == 2
     for _ in range(12):
@@ -131,10 +138,10 @@ def test_a_narrow_pass_is_never_priced_above_a_wider_one():
     """A slow spike in the one-token cost (60 ms against 38 ms measured at width 2) would make a draft
     that is never accepted look cheaper than plain decoding (10 + 38 < 60 ms a token), and auto, no
     longer decoding plainly, would not measure width 1 again: it drafted a whole request of a
-    mismatched draft at 0.71x (bench/RESULTS.md, tenth sitting)."""
+    mismatched draft at 0.71x (bench/RESULTS.md at commit 4275f84)."""
     costs = FrozenCosts(draft_s=0.010, target_s={1: 0.060, 2: 0.038, 3: 0.047})
     assert costs.target(1) == 0.038 and costs.target(2) == 0.038 and costs.target(3) == 0.047
-    assert AutoDraftLen(8, costs, accept=[0.0] * 8).best(8)[0] == 0
+    assert Controller(8, costs, accept=[0.0] * 8).best(8)[0] == 0
 
 
 @pytest.mark.parametrize("kw,match", [(dict(draft_len="fast"), "draft_len"), (dict(draft_len=2.5), "draft_len"),
@@ -166,56 +173,53 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair, monkeypatch):
     """hybrid + auto: the n-gram and the model proposals are judged on their own acceptance and cost
     (a free n-gram proposal that is rarely right must not make the model draft look bad, or vice versa);
     the pair carries each drafter's learned acceptance to its next request separately."""
-    from specrt.runtime.drafters import HybridDrafter
-
-    monkeypatch.setattr(HybridDrafter, "min_match", 1)  # the random tiny model rarely repeats 2 tokens
+    monkeypatch.setattr(qwen_pair, "auto_config", config(min_match=1))  # the random tiny model rarely repeats 2 tokens
     prompt = list(range(3, 40)) + list(range(3, 20))  # repeats: the n-gram drafter has proposals
     base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
-    monkeypatch.setattr(qwen_pair, "acceptance", {})
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {})
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
     assert res.tokens == base
     est = res.stats["acceptance_estimate"]
     ngram_kinds = set(est) - {"hybrid-model"}
     assert "hybrid-model" in est and ngram_kinds and ngram_kinds <= {"ngram1", "ngram2", "ngram3", "ngram8"}
     assert all(len(v) == qwen_pair.manifest.max_draft_len for v in est.values())
-    assert all(qwen_pair.acceptance[kind] == pytest.approx(v, abs=1e-4) for kind, v in est.items())  # first seen: as learned
+    learned = qwen_pair.state.acceptance
+    assert all(learned[kind] == pytest.approx(v, abs=1e-4) for kind, v in est.items())  # first seen: as learned
     after = qwen_pair.generate(prompt, max_new_tokens=16, draft_len="auto", drafter="ngram").stats
     assert set(after["acceptance_estimate"]) <= {"ngram1", "ngram2", "ngram3", "ngram8"}
-    assert qwen_pair.acceptance["hybrid-model"] == pytest.approx(est["hybrid-model"], abs=1e-4)
+    assert qwen_pair.state.acceptance["hybrid-model"] == pytest.approx(est["hybrid-model"], abs=1e-4)
     # the model drafter on its own keeps its own state: hybrid's model rounds (where no n-gram matched) do not move it
     assert "model" not in est
 
 
 def test_the_next_request_starts_from_a_running_mean_of_what_requests_learned(qwen_pair, monkeypatch):
     """A request's own estimate at its end moves the next request's starting point a quarter of the way
-    (Pair.prior_weight): one request of a different kind (chat after code) does not reset it."""
-    monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.9] * 8})
-    monkeypatch.setattr(qwen_pair, "probes", {})
-    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
-    monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=0.05, target_s={1: 1.0, 9: 1.0}))  # drafting pays
+    (AutoConfig.prior_weight): one request of a different kind (chat after code) does not reset it."""
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {"model": [0.9] * 8})
+    monkeypatch.setattr(qwen_pair.state, "probes", {})
+    monkeypatch.setattr(qwen_pair.state, "calibration", Calibration())
+    monkeypatch.setattr(qwen_pair.state, "costs", FrozenCosts(draft_s=0.05, target_s={1: 1.0, 9: 1.0}))  # drafting pays
     res = qwen_pair.generate([7, 8, 9, 10, 11], max_new_tokens=24, draft_len="auto", drafter="model")
     qwen_pair.draft_memory.forget()
     est = res.stats["acceptance_estimate"]["model"]
     assert est != pytest.approx([0.9] * 8, abs=1e-3)  # it learned something of its own
-    assert qwen_pair.acceptance["model"] == pytest.approx([0.9 + 0.25 * (e - 0.9) for e in est], abs=1e-4)
+    assert qwen_pair.state.acceptance["model"] == pytest.approx([0.9 + 0.25 * (e - 0.9) for e in est], abs=1e-4)
 
 
 def test_hybrid_ngram_rounds_count_toward_the_models_probe(qwen_pair, monkeypatch):
     """Rounds that hybrid gives to an n-gram proposal are rounds without the model too: the model's
     controller counts them toward its next probe, as it counts its own plain rounds."""
-    auto = AutoDraftLen(8, dear_drafts(), prior=0.0, probe_budget=100.0)  # the schedule alone
+    auto = Controller(8, dear_drafts(), config(prior=0.0, probe_budget=100.0))  # the schedule alone
     for _ in range(10):
         auto.wait()
     assert [auto.choose(8) for _ in range(6)] == [0, 0, 0, 0, 0, 1]  # 16 rounds since the last probe
 
-    from specrt.runtime.drafters import HybridDrafter
-
     waits = []
-    monkeypatch.setattr(HybridDrafter, "min_match", 1)
-    monkeypatch.setattr(AutoDraftLen, "wait", lambda self: waits.append(1))
+    monkeypatch.setattr(qwen_pair, "auto_config", config(min_match=1))
+    monkeypatch.setattr(Controller, "wait", lambda self: waits.append(1))
     # deterministic choices: n-gram proposals look worth verifying, the model draft costs more than it brings
-    monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=1.5, target_s={1: 1.0, 9: 1.0}))
-    monkeypatch.setattr(qwen_pair, "acceptance", {"ngram": [0.9] * 8, "model": [0.5] * 8})
+    monkeypatch.setattr(qwen_pair.state, "costs", FrozenCosts(draft_s=1.5, target_s={1: 1.0, 9: 1.0}))
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {"ngram": [0.9] * 8, "model": [0.5] * 8})
     prompt = list(range(3, 40)) + list(range(3, 20))
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
     assert res.stats["rounds_by_drafter"].get("ngram", 0) == len(waits) > 0
@@ -226,16 +230,14 @@ def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypat
     """An n-gram proposal that pays (vs plain decoding) must still give way to the model draft when the
     model's expected tokens per second are higher (a cheap, mostly-right draft), and win when the model
     draft costs more than it brings."""
-    from specrt.runtime.drafters import NgramDrafter
-
     prompt = list(range(3, 40))
     base = qwen_pair.generate(prompt, max_new_tokens=40, draft_len=0).tokens
     # an n-gram proposal at every round (a poor one: it must not crowd out a better model draft)
-    monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 2))
-    monkeypatch.setattr(qwen_pair, "costs", FrozenCosts(draft_s=draft_s, target_s={1: 1.0, 9: 1.0}))
-    monkeypatch.setattr(qwen_pair, "acceptance", {"model": [0.99] * 8, "ngram": [0.3] * 8})
-    monkeypatch.setattr(qwen_pair, "probes", {})
-    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
+    monkeypatch.setattr(LookupProposer, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 2))
+    monkeypatch.setattr(qwen_pair.state, "costs", FrozenCosts(draft_s=draft_s, target_s={1: 1.0, 9: 1.0}))
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {"model": [0.99] * 8, "ngram": [0.3] * 8})
+    monkeypatch.setattr(qwen_pair.state, "probes", {})
+    monkeypatch.setattr(qwen_pair.state, "calibration", Calibration())
     qwen_pair.draft_memory.forget()  # what earlier tests left in the draft's cache must not steer this one
     res = qwen_pair.generate(prompt, max_new_tokens=40, draft_len="auto", drafter="hybrid")
     assert res.tokens == base
@@ -247,69 +249,66 @@ def test_hybrid_auto_uses_the_proposal_expected_to_pay_more(qwen_pair, monkeypat
 def test_probe_schedule_carries_to_the_next_request(qwen_pair, monkeypatch):
     """A draft that does not pay is probed ever more rarely across requests, not afresh in each one
     (a probe after skipped rounds makes the draft read everything it skipped: about a prefill)."""
-    monkeypatch.setattr(qwen_pair, "costs", dear_drafts())
-    monkeypatch.setattr(qwen_pair, "acceptance", {})
-    monkeypatch.setattr(qwen_pair, "probes", {})
-    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
-    monkeypatch.setattr(AutoDraftLen, "probe_cost", lambda self, behind: 0.0)  # the schedule alone
+    monkeypatch.setattr(qwen_pair.state, "costs", dear_drafts())
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {})
+    monkeypatch.setattr(qwen_pair.state, "probes", {})
+    monkeypatch.setattr(qwen_pair.state, "calibration", Calibration())
+    monkeypatch.setattr(Controller, "probe_cost", lambda self, behind: 0.0)  # the schedule alone
     first = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
-    assert first["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 32  # one probe at round 16
+    assert first["draft_len_hist"].get(1) == 1 and qwen_pair.state.probes["model"][0] == 32  # one probe at round 16
     second = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=40, draft_len="auto", drafter="model").stats
-    assert second["draft_len_hist"].get(1) == 1 and qwen_pair.probes["model"][0] == 64  # the wait went on doubling
+    assert second["draft_len_hist"].get(1) == 1 and qwen_pair.state.probes["model"][0] == 64  # the wait went on doubling
     assert second["rounds_skipped"] >= second["rounds"] - 2  # all but the probe (and a last round with no room)
 
 
 def test_first_request_of_an_untuned_pair_adapts(qwen_pair, monkeypatch):
     """With no costs known at the start, the controllers follow the live measurements; planning with the
     empty snapshot would leave them on their opening guess (k=2) for the whole request."""
-    monkeypatch.setattr(qwen_pair, "costs", CostModel())
-    monkeypatch.setattr(qwen_pair, "acceptance", {})
-    monkeypatch.setattr(qwen_pair, "probes", {})
-    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
+    monkeypatch.setattr(qwen_pair.state, "costs", CostModel())
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {})
+    monkeypatch.setattr(qwen_pair.state, "probes", {})
+    monkeypatch.setattr(qwen_pair.state, "calibration", Calibration())
     res = qwen_pair.generate(list(range(3, 40)), max_new_tokens=96, draft_len="auto", drafter="model")
     hist = res.stats["draft_len_hist"]
     assert sum(v for k, v in hist.items() if k != 2) > 2, hist  # more than the last round or two
-    assert qwen_pair.costs.draft_s is not None and qwen_pair.costs.target_s
+    assert qwen_pair.state.costs.draft_s is not None and qwen_pair.state.costs.target_s
 
 
 def test_catchup_pass_is_not_a_draft_step(qwen_pair):
     """After rounds without drafting the draft model catches up in one wide pass; its time must not
     be booked as the cost of a draft step (that would make auto skip more, and catch up more...)."""
-    from specrt.config import SamplingConfig
-    from specrt.runtime.drafters import ModelDrafter
-
-    drafter = ModelDrafter(qwen_pair.draft, qwen_pair.manifest.vocab_size)
+    drafter = ModelProposer(qwen_pair.draft, qwen_pair.manifest.vocab_size)
     seq = list(range(3, 30))
     drafter.start(seq[:5])
-    drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
-    assert drafter.catchup_s > 0  # fed 22 tokens in its first pass
+    first = drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
+    assert first.catchup_s > 0 and first.catchup_tokens == len(seq)  # fed all 27 tokens in its first pass
     drafter.commit(len(seq) - 1)
-    drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
-    assert drafter.catchup_s == 0.0  # one token: an ordinary draft step
+    nxt = drafter.propose(seq, 2, SamplingConfig(), np.random.default_rng(0))
+    assert nxt.catchup_s == 0.0 and nxt.catchup_tokens == 0  # one token: an ordinary draft step
 
 
 def test_probe_is_priced_by_how_far_the_draft_is_behind(qwen_pair, monkeypatch):
     """The loop tells the controller how many tokens a probe's catch-up would read (the prompt, then
     one more per plain round), and books the catch-up's time per token into the shared cost model."""
-    monkeypatch.setattr(qwen_pair, "costs", CostModel(draft_s=10.0, target_s={1: 1.0, 9: 5.0}))
-    monkeypatch.setattr(qwen_pair, "acceptance", {})
-    monkeypatch.setattr(qwen_pair, "probes", {})
-    monkeypatch.setattr(qwen_pair, "calibration", Calibration())
+    monkeypatch.setattr(qwen_pair.state, "costs", CostModel(draft_s=10.0, target_s={1: 1.0, 9: 5.0}))
+    monkeypatch.setattr(qwen_pair.state, "acceptance", {})
+    monkeypatch.setattr(qwen_pair.state, "probes", {})
+    monkeypatch.setattr(qwen_pair.state, "calibration", Calibration())
     seen = []
-    due = AutoDraftLen.probe_due
+    due = Controller.probe_due
 
     def spy(self, behind, limit=1, remaining=0):
         seen.append(behind)
         return due(self, behind, limit, remaining)
 
-    monkeypatch.setattr(AutoDraftLen, "probe_due", spy)
-    monkeypatch.setattr(AutoDraftLen, "probe_cost", lambda self, behind: 0.0)  # probe when the schedule says
+    monkeypatch.setattr(Controller, "probe_due", spy)
+    monkeypatch.setattr(Controller, "probe_cost", lambda self, behind: 0.0)  # probe when the schedule says
     prompt = list(range(40, 52))
     res = qwen_pair.generate(prompt, max_new_tokens=30, draft_len="auto", drafter="model")
     assert res.stats["draft_len_hist"].get(1) == 1  # one probe, at round 16
     assert seen[:16] == list(range(len(prompt) + 1, len(prompt) + 17))  # the draft has read nothing yet
     assert seen[16] <= 2  # caught up by the probe
-    assert qwen_pair.costs.draft_read_s is not None  # the probe's catch-up pass, per token
+    assert qwen_pair.state.costs.draft_read_s is not None  # the probe's catch-up pass, per token
 
 
 def test_auto_greedy_is_independent_of_costs(qwen_pair, monkeypatch):
@@ -317,7 +316,7 @@ def test_auto_greedy_is_independent_of_costs(qwen_pair, monkeypatch):
     base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
     hists = []
     for costs in (cheap_drafts(), dear_drafts()):
-        monkeypatch.setattr(qwen_pair, "costs", costs)
+        monkeypatch.setattr(qwen_pair.state, "costs", costs)
         res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto")
         assert res.tokens == base
         hists.append(res.stats["draft_len_hist"])
@@ -332,7 +331,7 @@ def test_auto_sampling_seed_reproduces_for_the_same_cost_snapshot(qwen_pair, mon
     """
     runs, hists = [], []
     for costs in (cheap_drafts(), cheap_drafts(), dear_drafts()):
-        monkeypatch.setattr(qwen_pair, "costs", costs)
+        monkeypatch.setattr(qwen_pair.state, "costs", costs)
         res = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=32, draft_len="auto", temperature=1.0, seed=3)
         runs.append(res.tokens)
         hists.append(res.stats["draft_len_hist"])
@@ -358,7 +357,11 @@ def _joint3(drafter, costs, cfg, k, n=4000, confidence_stop=0.0, calibration=Non
     proposed = rounds = 0
     for seed in range(n):
         g = GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed, sampling=cfg, confidence_stop=confidence_stop)
-        out, _, st = decode(target, drafter.model, prompt, g, V, frozenset(), None, costs, 4, calibration=calibration)
+        # a fresh state per request (nothing learned carried over) but the given costs and calibration
+        state = PolicyState(costs=CostModel() if costs is None else costs,
+                            calibration=Calibration() if calibration is None else calibration)
+        policy = Auto([drafter.model], 4, state) if k == "auto" else Fixed(k, [drafter.model], state)
+        out, _, st = decode(target, policy, prompt, g, V, frozenset())
         assert len(out) == 4
         obs[sequence_index(out[:3], V)] += 1
         proposed, rounds = proposed + st.proposed, rounds + st.rounds
@@ -368,14 +371,14 @@ def _joint3(drafter, costs, cfg, k, n=4000, confidence_stop=0.0, calibration=Non
 class _Drafter:
     def __init__(self, V=5):
         self.target = FakeEngine(0, V)
-        self.model = ModelDrafter(FakeEngine(1, V, like=self.target), V)
+        self.model = ModelProposer(FakeEngine(1, V, like=self.target), V)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 3, 0.9)])
 def test_auto_sampling_is_lossless(temperature, top_k, top_p, monkeypatch):
     costs = FrozenCosts(draft_s=0.3, target_s={1: 1.0, 5: 1.2})
-    follow, followed = AutoDraftLen.follow, []
-    monkeypatch.setattr(AutoDraftLen, "follow", lambda self, p: followed.append(p) or follow(self, p))
+    follow, followed = Controller.follow, []
+    monkeypatch.setattr(Controller, "follow", lambda self, p: followed.append(p) or follow(self, p))
     calibration = Calibration()  # carried from request to request, as a Pair does: plain rounds follow it
     obs, exact, proposed, rounds = _joint3(_Drafter(), costs, SamplingConfig(temperature, top_k, top_p), "auto",
                                            calibration=calibration)
@@ -403,7 +406,7 @@ def test_confidence_stop_greedy_is_exact(qwen_pair):
 def test_a_probe_after_a_long_pause_counts_more():
     """The estimate ages in plain rounds: a probe accepted after 300 of them lifts 0.37 to ~0.69 (one
     observation against one), where a plain EMA step would give 0.46; while drafting the weight stays 0.15."""
-    auto = AutoDraftLen(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), accept=[0.37] * 8)
+    auto = Controller(8, FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}), accept=[0.37] * 8)
     assert auto.weight(0) == pytest.approx(0.15) and auto.weight(64) == pytest.approx(1 / (1 + 0.85 / 0.15 / 2))
     assert auto.weight(300) == pytest.approx(0.5)
     auto.probe_state = (16, 300)
@@ -423,13 +426,13 @@ def test_a_probe_is_due_when_it_is_worth_its_cost():
     costs = FrozenCosts(draft_s=10.0, target_s={1: 29.0, 2: 33.0, 9: 60.0}, draft_read_s=2.3)
 
     def first_probe(accept, remaining):
-        auto = AutoDraftLen(8, costs, accept=[accept] * 8)
+        auto = Controller(8, costs, accept=[accept] * 8)
         auto.probe_state = (16, 300)  # 300 plain rounds ago; its budget covers 131 of the 154 a probe costs
         return auto.choose(8, behind=62, remaining=remaining)
 
     assert first_probe(0.37, 200) == 1
     assert first_probe(0.05, 200) == 0 and first_probe(0.37, 20) == 0
-    assert AutoDraftLen(8, costs, accept=[0.37] * 8).probe_value(8, 0) == 0.0
+    assert Controller(8, costs, accept=[0.37] * 8).probe_value(8, 0) == 0.0
 
 
 def test_calibration_learns_acceptance_by_the_targets_confidence():
@@ -449,7 +452,7 @@ def test_calibration_learns_acceptance_by_the_targets_confidence():
 
 
 def test_a_plain_round_moves_the_first_positions_estimate_to_the_prediction():
-    auto = AutoDraftLen(8, dear_drafts(), accept=[0.2] * 8)
+    auto = Controller(8, dear_drafts(), accept=[0.2] * 8)
     auto.follow(0.9)
     assert auto.accept[0] == pytest.approx(0.2 + 0.7 * 0.15) and auto.accept[1:] == [0.2] * 7
 
@@ -477,12 +480,10 @@ def test_an_unverified_ngram_proposal_is_scored_for_free():
     have fared: the target's emitted tokens either continue it or not. So an estimate that says "never
     draft" recovers as soon as the text starts repeating, instead of waiting 16 rounds for a probe, and
     a round that verified k tokens of a longer proposal also scores token k + 1 against the target's own."""
-    from specrt.runtime.drafters import NgramDrafter
-
     cfg = GenerationConfig(max_new_tokens=60, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
     prompt = list(range(3, 13)) + [3, 4]  # one lap and a bit: the n-gram drafter matches from the start
-    out, _, stats = decode(_Cycle(), NgramDrafter(), prompt, cfg, 16, frozenset(),
-                           costs=FrozenCosts(target_s={1: 1.0, 9: 1.2}), prior={"ngram": [0.0] * 8})
+    state = PolicyState(costs=FrozenCosts(target_s={1: 1.0, 9: 1.2}), acceptance={"ngram": [0.0] * 8})
+    out, _, stats = decode(_Cycle(), Auto([LookupProposer()], 8, state), prompt, cfg, 16, frozenset())
     assert out == [3 + (t - 3) % 10 for t in range(5, 65)]  # 5, 6, ... as target-only would give
     # plain only until the estimate recovers (scoring only what was verified: 20 plain rounds, 36 in all)
     assert stats.draft_len_hist.get(0, 0) <= 4, stats.draft_len_hist
@@ -496,15 +497,13 @@ def test_hybrid_charges_the_model_its_catch_up(laps, model_rounds):
     prompt. hybrid charges that to the model's proposal, so after a long prompt a fair n-gram proposal
     wins the first rounds (and the model, never needed, never reads the prompt), after a short one the
     better model draft does."""
-    from specrt.runtime.drafters import HybridDrafter, NgramDrafter
-
     V = 16
     cfg = GenerationConfig(max_new_tokens=40, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
     prompt = list(range(3, 13)) * laps + [3, 4]
-    drafter = HybridDrafter(ModelDrafter(_Cycle(V), V), NgramDrafter())
+    proposers = [LookupProposer(), ModelProposer(_Cycle(V), V, kind="hybrid-model")]  # hybrid
     costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.2}, draft_read_s=0.05)
-    out, _, stats = decode(_Cycle(V), drafter, prompt, cfg, V, frozenset(), costs=costs,
-                           prior={"ngram": [0.7] * 8, "hybrid-model": [0.99] * 8})
+    state = PolicyState(costs=costs, acceptance={"ngram": [0.7] * 8, "hybrid-model": [0.99] * 8})
+    out, _, stats = decode(_Cycle(V), Auto(proposers, 8, state), prompt, cfg, V, frozenset())
     assert out == [3 + (t - 3) % 10 for t in range(5, 45)]
     assert min(stats.rounds_by_drafter.get("model", 0), 1) == model_rounds, stats.rounds_by_drafter
 
@@ -518,7 +517,7 @@ def test_a_draft_that_must_read_the_prompt_first_drafts_only_if_that_pays():
     costs = FrozenCosts(draft_s=0.010, target_s={1: 0.030, 2: 0.034, 9: 0.060}, draft_read_s=0.002)
 
     def k(behind, remaining, share=1.0):
-        return AutoDraftLen(8, costs, accept=[0.9] * 8).choose(8, behind, remaining, share)
+        return Controller(8, costs, accept=[0.9] * 8).choose(8, behind, remaining, share)
 
     assert k(200, 100) > 0 and k(200, 20) == 0 and k(200, 100, share=0.25) == 0 and k(200, 100, share=0.75) > 0
     assert k(2, 20) > 0 and k(2, 5, share=0.25) > 0
@@ -542,9 +541,10 @@ def test_plain_rounds_follow_the_targets_confidence(draft, agrees):
     costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.2}, draft_read_s=0.01)
     top = float(np.exp(10.0) / (np.exp(10.0) + V - 1))  # the fake target's confidence at every position
 
-    def run(calibration):
-        return decode(_Cycle(V), ModelDrafter(draft(V), V), [3, 4, 5], cfg, V, frozenset(), costs=costs,
-                      prior={"model": [0.0] * 8}, probes={}, calibration=calibration)
+    def run(calibration):  # None: the state's own, fresh
+        state = PolicyState(costs=costs, acceptance={"model": [0.0] * 8}, probes={},
+                            **({} if calibration is None else {"calibration": calibration}))
+        return decode(_Cycle(V), Auto([ModelProposer(draft(V), V)], 8, state), [3, 4, 5], cfg, V, frozenset())
 
     learned = Calibration()
     for _ in range(8):

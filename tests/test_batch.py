@@ -127,6 +127,18 @@ def test_many_seeds_and_eos(stat_pair):
         _same(got[key], a, f"seed {key}")
 
 
+def test_rows_follow_the_pairs_policy_settings(qwen_pair, monkeypatch):
+    """A row's policy takes the pair's AutoConfig, as the request alone does (hybrid's min_match here)."""
+    from specrt.runtime.policy import AutoConfig
+
+    monkeypatch.setattr(qwen_pair, "auto_config", dataclasses.replace(AutoConfig(), min_match=1))
+    prompt = list(range(3, 40)) + list(range(3, 20))
+    cfg = GenerationConfig(max_new_tokens=40, draft_len=3, drafter="hybrid")
+    alone = _alone(qwen_pair, prompt, cfg)
+    assert alone.stats["rounds_by_drafter"].get("ngram", 0) > 0  # 1-token matches drafted
+    _same(_run_batch(qwen_pair, [Request(0, prompt, cfg)], 2)[0], alone, "min_match=1")
+
+
 def test_mixed_requests_in_one_batch(pairs):
     """Per-request settings differ inside one batch: greedy and sampling, k 0..8, model/ngram/hybrid
     drafters, confidence stop, stop strings, max_new_tokens 1; long generations fill rows to max_len."""

@@ -11,6 +11,8 @@ from _helpers import (EOS_ID, P_MIN, FakeEngine, chi2_pvalue, copy_pair, entropy
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.engines.ort import ort_engine
 from specrt.runtime.decode import decode
+from specrt.runtime.policy import Fixed
+from specrt.runtime.proposers import ModelProposer
 from specrt.runtime.sampling import warp
 
 TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
@@ -20,6 +22,7 @@ KS = [1, 2, 4, 8]
 
 def _run(pair, prompt, **kw):
     kw.setdefault("max_new_tokens", 48)
+    kw.setdefault("drafter", "model")  # these tests are about the draft model's proposals
     return pair.generate(prompt, **kw)
 
 
@@ -363,6 +366,11 @@ def check_distributed_as_target(pair, temperature, top_k, top_p, k):
 # ---------------------------------------------------------------- the loop alone, on numpy fake engines
 
 
+def _spec(draft, k, V):
+    """A fixed draft length over a draft model on `draft` (None: target only)."""
+    return Fixed(k, [] if draft is None else [ModelProposer(draft, V)])
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 2), (0.8, 3, 0.9, 3)])
 def test_decode_loop_is_lossless_on_fake_engines(temperature, top_k, top_p, k):
     V, prompt = 5, [1, 2]
@@ -373,8 +381,8 @@ def test_decode_loop_is_lossless_on_fake_engines(temperature, top_k, top_p, k):
     obs = np.zeros_like(exact)
     acc = prop = 0
     for seed in range(5000):
-        out, reason, st = decode(target, draft, prompt, GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed,
-                                                                         sampling=cfg), V, frozenset())
+        g = GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed, sampling=cfg)
+        out, reason, st = decode(target, _spec(draft, k, V), prompt, g, V, frozenset())
         assert len(out) == 4 and reason == "length"
         obs[sequence_index(out[:3], V)] += 1
         acc, prop = acc + st.accepted, prop + st.proposed
@@ -400,8 +408,8 @@ def test_decode_loop_cache_invariants(greedy, k):
                 assert list(draft.cache[: draft.length]) == seq[: draft.length]
                 return False
 
-            out, reason, st = decode(target, draft, prompt, GenerationConfig(max_new_tokens=m, draft_len=k, seed=seed,
-                                                                             sampling=sampling), V, frozenset(), check)
+            g = GenerationConfig(max_new_tokens=m, draft_len=k, seed=seed, sampling=sampling)
+            out, reason, st = decode(target, _spec(draft, k, V), prompt, g, V, frozenset(), check)
             assert len(out) == m and seq == prompt + out
             assert target.length <= target.max_len and draft.length <= draft.max_len
 
@@ -412,11 +420,12 @@ def test_decode_loop_greedy_equivalence_and_full_acceptance_on_fake_engines():
         prompt = list(np.random.default_rng(seed).integers(0, V, size=3))
         target, other = FakeEngine(seed, V, max_len=80), FakeEngine(seed + 100, V, max_len=80)
         twin = FakeEngine(seed, V, max_len=80)
-        base, _, _ = decode(target, None, prompt, GenerationConfig(max_new_tokens=30, draft_len=0), V, frozenset())
+        base, _, _ = decode(target, _spec(None, 0, V), prompt, GenerationConfig(max_new_tokens=30, draft_len=0), V,
+                            frozenset())
         for k in (1, 2, 3, 6):
             cfg = GenerationConfig(max_new_tokens=30, draft_len=k)
-            assert decode(target, other, prompt, cfg, V, frozenset())[0] == base
-            out, _, st = decode(target, twin, prompt, cfg, V, frozenset())
+            assert decode(target, _spec(other, k, V), prompt, cfg, V, frozenset())[0] == base
+            out, _, st = decode(target, _spec(twin, k, V), prompt, cfg, V, frozenset())
             assert out == base and st.accepted == st.proposed > 0
 
 
@@ -424,11 +433,12 @@ def test_decode_loop_eos_inside_accepted_drafts():
     """EOS proposed by the draft and accepted mid-round: output stops right before it."""
     V = 6
     target = FakeEngine(4, V, max_len=80)
-    base, _, _ = decode(target, None, [1, 2], GenerationConfig(max_new_tokens=30, draft_len=0), V, frozenset())
+    base, _, _ = decode(target, _spec(None, 0, V), [1, 2], GenerationConfig(max_new_tokens=30, draft_len=0), V,
+                        frozenset())
     eos = base[6]
     want = base[: base.index(eos)]
     for k in (1, 2, 4, 7):
         twin = FakeEngine(4, V, max_len=80)  # accepts everything, so EOS arrives inside a block of drafts
-        out, reason, st = decode(target, twin, [1, 2], GenerationConfig(max_new_tokens=30, draft_len=k), V,
+        out, reason, st = decode(target, _spec(twin, k, V), [1, 2], GenerationConfig(max_new_tokens=30, draft_len=k), V,
                                  frozenset({eos}))
         assert out == want and reason == "eos" and st.new_tokens == len(want)

@@ -66,16 +66,17 @@ def test_greedy_speculative_equals_target_only(vocab_pair, prompt, k):
 
 def test_draft_never_proposes_a_dropped_id(vocab_pair, vocab_dir):
     from specrt.config import SamplingConfig
-    from specrt.runtime.drafters import ModelDrafter
+    from specrt.runtime.proposers import ModelProposer
 
     ids = set(np.load(vocab_dir / "draft/output_ids.npy").tolist())
-    drafter = ModelDrafter(vocab_pair.draft, vocab_pair.manifest.vocab_size, vocab_pair.draft_ids)
+    drafter = ModelProposer(vocab_pair.draft, vocab_pair.manifest.vocab_size, vocab_pair.draft_ids)
     rng = np.random.default_rng(0)
     seq = vocab_pair.encode("hello")
     drafter.start(seq[:-1])
     for cfg in (SamplingConfig(), SamplingConfig(temperature=1.5)):
         for _ in range(20):
-            d, p_draft, _ = drafter.propose(seq, 4, cfg, rng)
+            prop = drafter.propose(seq, 4, cfg, rng)
+            d, p_draft = prop.tokens, prop.p_draft
             assert set(d.tolist()) <= ids
             if p_draft is not None:
                 outside = np.ones(p_draft.shape[1], bool)
@@ -193,7 +194,7 @@ def test_mismatched_draft_script_and_guard(vocab_dir, vocab_pair, tmp_path):
         assert fixed.stats["acceptance_rate"] < good["acceptance_rate"]
         # auto's choices follow measured pass times, which for this tiny model are noise-level: plan with
         # the int4 real pair's (a draft step ~0.3 of a target step, a 2-wide verify ~1.1x a 1-wide one)
-        mis.costs = FrozenCosts(draft_s=0.010, target_s={1: 0.035, 2: 0.039, 9: 0.092}, draft_read_s=0.002)
+        mis.state.costs = FrozenCosts(draft_s=0.010, target_s={1: 0.035, 2: 0.039, 9: 0.092}, draft_read_s=0.002)
         auto = mis.generate("def f(x):", max_new_tokens=40, draft_len="auto", drafter="model")
         assert auto.tokens == base
         assert auto.stats["rounds_skipped"] >= auto.stats["rounds"] / 2, auto.stats["draft_len_hist"]

@@ -1,7 +1,8 @@
-"""Drafters: the draft model, prompt lookup (n-gram) and hybrid all keep speculative decoding lossless."""
+"""Proposers: the draft model, prompt lookup (n-gram) and hybrid all keep speculative decoding lossless."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,57 +13,65 @@ from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime.decode import decode
-from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from specrt.runtime.policy import Auto, AutoConfig, Fixed, PolicyState
+from specrt.runtime.proposers import LookupProposer, ModelProposer
 
 REPETITIVE = ["def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
               "def fib(n):\n    a, b", list(range(3, 30)) * 2 + [3, 4], [40, 41, 42, 43]]
 
 
 def test_ngram_lookup():
-    ng = NgramDrafter(max_ngram=3)
-    assert ng.lookup([1, 2, 3, 4, 1, 2], 3).tolist() == [3, 4, 1]  # 2-gram [1, 2] seen at 0
-    assert ng.lookup([1, 2, 9, 1, 2, 7, 1, 2], 2).tolist() == [9, 1]  # equally long matches: the first wins
-    assert ng.lookup([5, 6, 7, 8, 5, 6, 7], 4).tolist() == [8, 5, 6, 7]  # longest n first
-    assert ng.lookup([1, 2, 3], 4).tolist() == []  # no earlier occurrence
-    assert ng.lookup([7], 4).tolist() == []
-    assert ng.lookup([9, 9, 9], 2).tolist() == [9]  # continuation runs to the end of the sequence
-    assert len(ng.lookup(list(range(10)) * 3, 5)) == 5
-    assert ng.lookup([], 2).tolist() == []
+    ng = LookupProposer(max_ngram=3)
+
+    def lookup(seq, k):
+        return ng.match(seq, k)[0]
+
+    assert lookup([1, 2, 3, 4, 1, 2], 3).tolist() == [3, 4, 1]  # 2-gram [1, 2] seen at 0
+    assert lookup([1, 2, 9, 1, 2, 7, 1, 2], 2).tolist() == [9, 1]  # equally long matches: the first wins
+    assert lookup([5, 6, 7, 8, 5, 6, 7], 4).tolist() == [8, 5, 6, 7]  # longest n first
+    assert lookup([1, 2, 3], 4).tolist() == []  # no earlier occurrence
+    assert lookup([7], 4).tolist() == []
+    assert lookup([9, 9, 9], 2).tolist() == [9]  # continuation runs to the end of the sequence
+    assert len(lookup(list(range(10)) * 3, 5)) == 5
+    assert lookup([], 2).tolist() == []
 
 
 def test_ngram_prefers_the_longest_match_over_the_first():
     """A later occurrence that matches more of the suffix beats an earlier, shorter one."""
-    ng = NgramDrafter()
+    ng = LookupProposer()
     seq = [5, 1, 2, 3, 8, 4, 1, 2, 3, 9, 6, 4, 1, 2, 3]  # [1, 2, 3] twice; [4, 1, 2, 3] only before the 9
     d, n = ng.match(seq, 2)
     assert d.tolist() == [9, 6] and n == 4
     copy = list(range(100, 130))
     d, n = ng.match(copy + [7] + copy[:20], 4)  # 20 tokens into a copy of the first 30 (16: the default cap)
-    assert d.tolist() == copy[20:24] and n == 16 and ng.pick(copy + [7] + copy[:20], 4).kind == "ngram8"
-    assert NgramDrafter(max_ngram=5).match(copy + [7] + copy[:20], 4)[1] == 5  # max_ngram caps the match length
+    assert d.tolist() == copy[20:24] and n == 16
+    assert ng.peek(copy + [7] + copy[:20], 4).tolist() == copy[20:24] and ng.kind == "ngram8" and ng.matched == 16
+    assert LookupProposer(max_ngram=5).match(copy + [7] + copy[:20], 4)[1] == 5  # max_ngram caps the match length
 
 
 def test_hybrid_uses_ngram_proposals_only_after_a_two_token_match():
     """After a 1-token match an n-gram proposal is right too rarely to pay: hybrid asks the model."""
-    model = ModelDrafter(None, 10)
-    hy = HybridDrafter(model, NgramDrafter(max_ngram=3))
-    assert hy.pick([4, 8, 1, 2, 4], 3) is model  # only [4] matched
-    assert hy.pick([1, 2, 3, 4, 1, 2], 3) is hy.ngram  # [1, 2] matched, [3, 4, 1] proposed
-    assert hy.pick([7, 1, 2, 7, 1, 2], 3) is hy.ngram and hy.ngram.kind == "ngram3"
+    lookup, model = LookupProposer(max_ngram=3), ModelProposer(None, 10, kind="hybrid-model")
+    hy = Fixed(3, [lookup, model])  # hybrid at a fixed draft length
+    assert hy.plan([4, 8, 1, 2, 4], 3, 10) == (model, 3)  # only [4] matched
+    assert hy.plan([1, 2, 3, 4, 1, 2], 3, 10) == (lookup, 3)  # [1, 2] matched, [3, 4, 1] proposed
+    assert hy.plan([7, 1, 2, 7, 1, 2], 3, 10)[0] is lookup and lookup.kind == "ngram3"
 
 
 def test_ngram_proposal_kind_is_the_matched_length():
     """auto keeps one controller per matched length (a 3-token match is right far more often than a
-    1-token one); propose returns what pick found for the same sequence."""
-    ng = NgramDrafter(max_ngram=5)
+    1-token one); propose returns what peek found for the same sequence."""
+    ng = LookupProposer(max_ngram=5)
     cases = [([1, 2, 3, 4, 1, 2], "ngram2"), ([5, 6, 7, 8, 5, 6, 7], "ngram3"), ([1, 2, 3, 9, 1, 2, 3, 9], "ngram3"),
              ([4, 8, 1, 4], "ngram1"), ([1, 2, 3], "ngram")]
     for seq, kind in cases:
-        assert ng.pick(seq, 4).kind == kind, seq
-        d, p, passes = ng.propose(seq, 3, SamplingConfig(), np.random.default_rng(0))
-        assert d.tolist() == ng.lookup(seq, 3).tolist() and p is None and passes == 0
-    ng.pick([1, 2, 1], 4)
-    assert ng.propose([1, 2, 1, 2], 2, SamplingConfig(), np.random.default_rng(0))[0].tolist() == [1, 2]  # not stale
+        shown = ng.peek(seq, 4)
+        assert ng.kind == kind and shown is ng.proposal and shown.tolist() == ng.match(seq, 4)[0].tolist(), seq
+        prop = ng.propose(seq, 3, SamplingConfig(), np.random.default_rng(0))
+        assert prop.tokens.tolist() == ng.match(seq, 3)[0].tolist() and prop.p_draft is None and prop.passes == 0
+    ng.peek([1, 2, 1], 4)
+    again = ng.propose([1, 2, 1, 2], 2, SamplingConfig(), np.random.default_rng(0))
+    assert again.tokens.tolist() == [1, 2]  # not stale
 
 
 def test_auto_keeps_a_controller_per_ngram_kind(same_pair, monkeypatch):
@@ -71,10 +80,13 @@ def test_auto_keeps_a_controller_per_ngram_kind(same_pair, monkeypatch):
     res = same_pair.generate(prompt, max_new_tokens=24, draft_len="auto", drafter="ngram")
     kinds = set(res.stats["acceptance_estimate"])
     assert kinds and kinds <= {"ngram1", "ngram2", "ngram3", "ngram8"}
-    monkeypatch.setattr(NgramDrafter, "match", lambda self, seq, k: (np.full(k, 5, np.int64), 4))  # always a 4-token match
+    def always(self, seq, k):  # a 4-token match
+        return np.full(k, 5, np.int64), 4
+
+    monkeypatch.setattr(LookupProposer, "match", always)
     cfg = GenerationConfig(max_new_tokens=4, draft_len="auto", drafter="ngram")
-    _, _, st = decode(same_pair.target, NgramDrafter(), [5, 6, 7, 8], cfg, same_pair.manifest.vocab_size,
-                      frozenset(), prior={"ngram": [0.123] * 8}, max_draft_len=8)
+    policy = Auto([LookupProposer()], 8, PolicyState(acceptance={"ngram": [0.123] * 8}))
+    _, _, st = decode(same_pair.target, policy, [5, 6, 7, 8], cfg, same_pair.manifest.vocab_size, frozenset())
     est = st.acceptance_estimate
     assert "ngram3" in est and est["ngram3"][1:] == [0.123] * 7  # seeded by the "ngram" prior (position 0 observed)
 
@@ -120,12 +132,12 @@ def test_a_draft_window_bounds_every_catch_up_and_stays_lossless(qwen_pair, draf
 
 
 def test_the_draft_window_defaults_to_the_devices_and_reaches_the_cli(qwen_dir, qwen_pair):
-    from specrt.runtime.drafters import default_window
+    from specrt.runtime.proposers import default_window
 
     assert default_window("cpu") == 32 and default_window("cuda") == 0
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2)).window == 32  # this pair runs on the CPU
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2, draft_window=0)).window is None
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=5)).model.window == 5
+    assert qwen_pair.policy(GenerationConfig(draft_len=2)).model.window == 32  # this pair runs on the CPU
+    assert qwen_pair.policy(GenerationConfig(draft_len=2, draft_window=0)).model.window is None
+    assert qwen_pair.policy(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=5)).model.window == 5
     r = CliRunner().invoke(main, ["generate", str(qwen_dir), "--prompt", REPETITIVE[0], "--max-new-tokens", "16",
                                   "--draft-window", "4", "--draft-len", "3", "--json"])
     assert r.exit_code == 0, r.output
@@ -137,13 +149,14 @@ def test_the_draft_window_defaults_to_the_devices_and_reaches_the_cli(qwen_dir, 
 def test_a_windowed_draft_cache_holds_the_sequence_from_its_offset():
     """Cache bookkeeping after a start-over: the draft's slots hold seq[off:off + length] at every round
     and the next request reuses them through the memory when its prompt extends that sequence."""
-    from specrt.runtime.drafters import DraftMemory
+    from specrt.runtime.proposers import DraftMemory
 
     V, memory = 6, DraftMemory()
     target = FakeEngine(0, V, max_len=96)
-    model = ModelDrafter(FakeEngine(1, V, max_len=96, like=target), V, memory=memory, window=4)
+    model = ModelProposer(FakeEngine(1, V, max_len=96, like=target), V, memory=memory, window=4)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2]
-    out, _, st = decode(target, model, prompt, GenerationConfig(max_new_tokens=20, draft_len=2), V, frozenset())
+    out, _, st = decode(target, Fixed(2, [model]), prompt, GenerationConfig(max_new_tokens=20, draft_len=2), V,
+                        frozenset())
     seq = prompt + out
     assert st.draft_passes and model.off >= len(prompt) - 4
     eng = model.engine
@@ -169,23 +182,22 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
     """`skip`: once the draft's cache holds part of the request, a catch-up reads only the last `skip`
     tokens it missed; the slots before them are kept (a gap), the offset moves past the skipped ones,
     and the draft cache is no longer offered to the next request (it is not a prefix of the sequence)."""
-    from specrt.runtime.drafters import DraftMemory
+    from specrt.runtime.proposers import DraftMemory
 
     V, memory = 6, DraftMemory()
     eng = FakeEngine(1, V, max_len=64)
-    model = ModelDrafter(eng, V, memory=memory, window=16)
-    model.skip = 3
+    model = ModelProposer(eng, V, memory=memory, window=16, skip=3)
     seq = [1, 2, 3, 4, 5, 1, 2]
     model.start(seq)
     assert model.behind(seq) == 7  # a fresh cache: the whole prompt (within the window)
     cfg, rng = SamplingConfig(), np.random.default_rng(0)
-    d, _, _ = model.propose(seq, 2, cfg, rng)
+    d = model.propose(seq, 2, cfg, rng).tokens
     model.commit(len(seq))  # both drafts rejected: the slots of the 7 prompt tokens stay
     assert eng.length == 7 and model.off == 0
     seq = seq + [3, 4, 5, 0, 1, 2, 3, 4]  # emitted without the model (n-gram rounds): 8 tokens unread
     assert model._unread(seq) == 8 and model.behind(seq) == 3
     kept = list(eng.cache[:7])
-    d, _, _ = model.propose(seq, 1, cfg, rng)
+    d = model.propose(seq, 1, cfg, rng).tokens
     assert list(eng.cache[:7]) == kept and list(eng.cache[7:10]) == seq[-3:]  # the gap: 5 tokens skipped
     assert model.off == 5 and model._unread(seq) == 0
     model.commit(len(seq) + 1)  # its draft accepted
@@ -193,13 +205,11 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
     assert model.memory is None and memory.seq == []  # the next request starts from an empty draft cache
     # a request's first pass reads its prompt by the window rule, even past a prefix the memory kept
     memory = DraftMemory()
-    first = ModelDrafter(eng, V, memory=memory, window=16)
-    first.skip = 3
+    first = ModelProposer(eng, V, memory=memory, window=16, skip=3)
     first.start(seq)
     first.propose(seq, 1, cfg, rng)
     first.commit(len(seq))
-    model = ModelDrafter(eng, V, memory=memory, window=16)
-    model.skip = 3
+    model = ModelProposer(eng, V, memory=memory, window=16, skip=3)
     longer = seq + [5, 4, 3, 2, 1, 0, 1, 2, 3, 4]
     model.start(longer)
     assert eng.length == len(seq) and model.behind(longer) == 10
@@ -208,23 +218,23 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
 
 
 def test_hybrid_skips_only_with_a_windowed_draft(qwen_pair):
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid")).model.skip == 8  # CPU: window 32
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=5)).model.skip == 5
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=0)).model.skip is None
-    assert qwen_pair._drafter(GenerationConfig(draft_len=2, drafter="model")).skip is None
+    assert qwen_pair.policy(GenerationConfig(draft_len=2, drafter="hybrid")).model.skip == 8  # CPU: window 32
+    assert qwen_pair.policy(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=5)).model.skip == 5
+    assert qwen_pair.policy(GenerationConfig(draft_len=2, drafter="hybrid", draft_window=0)).model.skip is None
+    assert qwen_pair.policy(GenerationConfig(draft_len=2, drafter="model")).model.skip is None
 
 
 def test_a_skipping_hybrid_is_greedy_exact(qwen_pair, monkeypatch):
     """hybrid's model catching up on the last token only: drafts differ, the output does not."""
     gaps = []
-    propose = ModelDrafter.propose
+    propose = ModelProposer.propose
 
     def counted(self, seq, *a, **kw):
         gaps.append(self.engine.length > 0 and self._unread(seq) > self.skip)
         return propose(self, seq, *a, **kw)
 
-    monkeypatch.setattr(ModelDrafter, "propose", counted)
-    monkeypatch.setattr(HybridDrafter, "skip", 1)
+    monkeypatch.setattr(ModelProposer, "propose", counted)
+    monkeypatch.setattr(qwen_pair, "auto_config", replace(AutoConfig(), skip=1))
     for prompt in REPETITIVE[:2]:
         base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0)
         for k in (3, "auto"):
@@ -239,17 +249,17 @@ def test_ngram_drafter_accepts_on_repetition(same_pair):
     assert res.stats["proposed"] > 0
 
 
-def _lossless(drafter_factory, temperature, top_k, top_p, k, n=4000):
+def _lossless(proposers_factory, temperature, top_k, top_p, k, n=4000):
     V, prompt = 4, [1, 2, 1, 3, 1, 2]  # repetitive: the n-gram drafter has proposals
     cfg = SamplingConfig(temperature, top_k, top_p)
     target = FakeEngine(0, V, max_len=32)
-    drafter = drafter_factory(target, V)
+    proposers = proposers_factory(target, V)
     exact = fake_exact_joint(target, prompt, cfg, 3)
     obs = np.zeros_like(exact)
     prop = 0
     for seed in range(n):
-        out, reason, st = decode(target, drafter, prompt, GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed,
-                                                                           sampling=cfg), V, frozenset())
+        g = GenerationConfig(max_new_tokens=4, draft_len=k, seed=seed, sampling=cfg)
+        out, reason, st = decode(target, Fixed(k, proposers), prompt, g, V, frozenset())
         assert len(out) == 4
         obs[sequence_index(out[:3], V)] += 1
         prop += st.proposed
@@ -260,13 +270,13 @@ def _lossless(drafter_factory, temperature, top_k, top_p, k, n=4000):
 
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3), (0.8, 3, 0.9, 2)])
 def test_ngram_drafter_is_lossless(temperature, top_k, top_p, k):
-    _lossless(lambda target, V: NgramDrafter(3), temperature, top_k, top_p, k)
+    _lossless(lambda target, V: [LookupProposer(3)], temperature, top_k, top_p, k)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])
 def test_hybrid_drafter_is_lossless(temperature, top_k, top_p, k):
     def make(target, V):
-        return HybridDrafter(ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V), NgramDrafter(2))
+        return [LookupProposer(2), ModelProposer(FakeEngine(1, V, max_len=32, like=target), V, kind="hybrid-model")]
 
     _lossless(make, temperature, top_k, top_p, k)
 
@@ -276,19 +286,17 @@ def test_a_skipping_hybrid_is_lossless(temperature, top_k, top_p, k):
     made = []
 
     def make(target, V):  # its model reads 1 token of whatever n-gram rounds emitted
-        model = ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V, window=4)
-        model.skip = 1
-        made.append(HybridDrafter(model, NgramDrafter(2)))
-        return made[-1]
+        made.append(ModelProposer(FakeEngine(1, V, max_len=32, like=target), V, window=4, kind="hybrid-model", skip=1))
+        return [LookupProposer(2), made[-1]]
 
     _lossless(make, temperature, top_k, top_p, k)
-    assert made[0].model.off > 0  # it did skip
+    assert made[0].off > 0  # it did skip
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])
 def test_a_windowed_model_draft_is_lossless(temperature, top_k, top_p, k):
     def make(target, V):  # a 2-token window: the draft starts over almost every round
-        return ModelDrafter(FakeEngine(1, V, max_len=32, like=target), V, window=2)
+        return [ModelProposer(FakeEngine(1, V, max_len=32, like=target), V, window=2)]
 
     _lossless(make, temperature, top_k, top_p, k)
 
@@ -348,8 +356,8 @@ def test_draft_cache_reuse_never_trusts_slots_past_the_sequence(qwen_pair):
     res = pair.generate(prompt, max_new_tokens=16, draft_len=8, draft_window=0, temperature=1.0, seed=1)
     seq = prompt + res.tokens
     assert pair.draft.length <= len(pair.draft_memory.seq) <= len(seq) + 1
-    drafter = pair._drafter(GenerationConfig(draft_len=2, draft_window=0))
-    drafter.start(seq + [999])  # the next prompt: everything generated, then a token never seen
+    policy = pair.policy(GenerationConfig(draft_len=2, draft_window=0))
+    policy.start(seq + [999])  # the next prompt: everything generated, then a token never seen
     assert pair.draft.length == min(len(pair.draft_memory.seq), len(seq))
 
 

@@ -39,8 +39,8 @@ def test_tune_writes_settings_that_become_defaults(qwen_dir, tmp_path):
         cfg = pair.config(max_new_tokens=4)
         assert (cfg.draft_len, cfg.drafter, cfg.confidence_stop) == (
             tuned["draft_len"], tuned["drafter"] if tuned["draft_len"] else pair.default_drafter, tuned["confidence_stop"])
-        assert pair.costs.target_s[1] == pytest.approx(tuned["costs"]["target_s"]["1"])  # loaded as measured
-        assert pair.costs.draft_read_s == pytest.approx(tuned["costs"]["draft_read_s"])
+        assert pair.state.costs.target_s[1] == pytest.approx(tuned["costs"]["target_s"]["1"])  # loaded as measured
+        assert pair.state.costs.draft_read_s == pytest.approx(tuned["costs"]["draft_read_s"])
         res = pair.generate("def f(x):", max_new_tokens=8)
         assert res.stats["draft_len"] == tuned["draft_len"]
         # explicit arguments still win over the tuned defaults

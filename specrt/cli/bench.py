@@ -35,6 +35,7 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
     from specrt.errors import ConfigError
+    from specrt.runtime.batch import default_drafter
     from specrt.runtime.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench,
                                       run_bench)
 
@@ -49,7 +50,8 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     sampling = SamplingConfig(temperature=temperature)
     with load_pair(pair_dir, device) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
-        names = [d.strip() for d in (drafters or pair.default_drafter).split(",") if d.strip()]
+        default = default_drafter(pair.manifest, pair.tuned) if batch_sizes else pair.default_drafter
+        names = [d.strip() for d in (drafters or default).split(",") if d.strip()]
         if batch_sizes:
             if len(names) != 1:
                 raise ConfigError("--batch-sizes compares batch sizes for one drafter; give one in --drafters")

@@ -37,7 +37,7 @@ from specrt.errors import ExportError, PairError
 ALIGN = 256  # bytes: TensorRT's alignment for the addresses given to set_tensor_address
 
 INSTALL_HINT = ("install TensorRT for this machine (x86_64: pip install tensorrt cuda-python; Jetson: the TensorRT "
-                "of your JetPack, see README 'Jetson')")
+                "of your JetPack, see docs/gpu.md)")
 
 
 def check_alignment(entry: ModelEntry, role: str, error=PairError) -> None:

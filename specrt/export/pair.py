@@ -31,7 +31,7 @@ class ExportConfig:
     activations: str = ""
     max_len: int = 2048
     max_draft_len: int = 8
-    block_size: int = 128  # int4: weights per quantization block (128: ~23% faster steps than 32 here, see README)
+    block_size: int = 128  # int4: weights per quantization block (128: ~23% faster steps than 32 here, docs/design.md)
     accuracy_level: int = 4  # int4: MatMulNBits compute (4 = int8 activations, fast; 0 = fp32, exact)
     # the input embeddings, weight-only (GatherBlockQuantized): 4 or 8 bits, 0 = kept as they are; None = 4 for
     # int4 pairs (the GGUF sources' embeddings are 4-bit already; a pass reads only its tokens' rows), else 0

@@ -54,8 +54,9 @@ import numpy as np
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime import sampling
-from specrt.runtime.decode import Stats
-from specrt.runtime.drafters import HybridDrafter, NgramDrafter, expand_logits, greedy_pick
+from specrt.runtime.decode import Stats, emit
+from specrt.runtime.policy import Round, build
+from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
 
@@ -159,13 +160,18 @@ class Rows:
     def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
         """Append feeds[r] to row r (other rows sit out). Returns {r: logits [n, W]}: last=True, n = 1 (the
         row's last fed token); else every fed position."""
+        out = {}
         if last and any(len(t) > self.max_width for t in feeds.values()):
-            # A draft that fell behind (hybrid rounds without model passes) catches up in chunks.
+            # A proposer that is behind (its prompt, what lookup rounds emitted) reads it in the pass a lone
+            # run makes: a batch-1 pass over its own row.
             feeds = dict(feeds)
-            while long := {r: t for r, t in feeds.items() if len(t) > self.max_width}:
-                self._call({r: t[: self.max_width] for r, t in long.items()}, True)
-                feeds.update({r: t[self.max_width:] for r, t in long.items()})
-        return self._call(feeds, last)
+            for r in [r for r, t in feeds.items() if len(t) > self.max_width]:
+                t = feeds.pop(r)
+                out[r] = self.e.row(r).forward(np.array([t]), np.array([len(t) - 1]))[0].copy()  # [1, W]
+                self.passes += 1
+            if not feeds:
+                return out
+        return {**out, **self._call(feeds, last)}
 
     def _call(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
         e = self.e
@@ -201,21 +207,13 @@ class _Row:
     seq: list[int]
     out: list[int] = field(default_factory=list)
     reason: str = ""
-    # this round
-    want: int = 0
-    d: list[int] = field(default_factory=list)
-    p: list[np.ndarray] | None = None
-    used: str | None = None
-    drafting: bool = False
-    passes: int = 0
+    policy: Any = None  # a Fixed policy over this row's proposers (runtime/policy.py)
+    proposer: Any = None  # this round's
+    k: int = 0  # drafts this round's plan asked for
 
     @property
     def cfg(self) -> GenerationConfig:
         return self.req.cfg
-
-    @property
-    def uses_draft_cache(self) -> bool:
-        return self.cfg.draft_len > 0 and self.cfg.drafter != "ngram"
 
 
 class BatchDecoder:
@@ -292,11 +290,6 @@ class BatchDecoder:
     def _draft_passes(self) -> int:
         return self._draft.passes if self._draft else 0
 
-    def _pick(self, row: _Row, logits: np.ndarray) -> int:
-        if row.cfg.sampling.greedy:
-            return int(logits.argmax())
-        return sampling.draw(sampling.warp(logits[None], row.cfg.sampling)[0], row.rng.random())
-
     def _start(self, r: int, req: Request) -> _Row:
         from specrt.runtime.text import TextStream
 
@@ -306,27 +299,24 @@ class BatchDecoder:
         row = _Row(req=req, stream=TextStream(self.pair.codec, cfg.stop), start=time.perf_counter(),
                    rng=np.random.default_rng(cfg.seed), seq=list(prompt),
                    stats=Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt)))
-        x = self._pick(row, self.target.prefill(r, prompt)[: self.vocab])
+        x = sampling.pick(self.target.prefill(r, prompt)[: self.vocab], cfg.sampling, row.rng)
         self.totals.prefills += 1
         row.stats.target_passes += 1
         row.stats.ttft_s = time.perf_counter() - row.start
-        if row.uses_draft_cache:
-            self.draft.prefill(r, prompt)  # not counted in the row's draft_passes: alone, the prompt is read
-            # by the first draft step's pass, so both count one pass per drafted token
-        elif self._draft is not None:
-            self._draft.release(r)
+
+        def model(kind: str, skip: int | None) -> ModelProposer:  # no window in a batch, so no skip
+            return ModelProposer(self.draft.e.row(r), self.vocab, self.pair.draft_ids, kind=kind)
+
+        row.policy = build(k, cfg.drafter, self.pair.manifest.max_draft_len, model=model, ngram_max=cfg.ngram_max,
+                           config=self.pair.auto_config)
+        row.policy.start(prompt)  # a model proposer reads the prompt in its first draft pass, as alone
         self.totals.requests += 1
         self._emit(row, [x])
         return row
 
     def _emit(self, row: _Row, new: list[int]) -> None:
         """decode.decode's stop checks: never past EOS or max_new_tokens; stop strings end it too."""
-        reason = ""
-        for i, t in enumerate(new):
-            if t in self.eos:
-                new, reason = new[:i], "eos"
-                break
-        new = new[: row.cfg.max_new_tokens - len(row.out)]
+        new, reason = emit(new, self.eos, row.cfg.max_new_tokens - len(row.out))
         row.out += new
         row.seq += new
         if new:
@@ -355,79 +345,47 @@ class BatchDecoder:
         return row.req.key, Result(tokens=tokens, text=row.stream.text, finish_reason=row.reason, stats=stats)
 
     def _round(self, active: list[tuple[int, _Row]]) -> None:
-        # 1. Plan each row's draft: its own k, limited by the tokens it has left (as decode does).
-        model_rows = []
+        # 1. Plan: each row's policy (a fixed k, limited by the tokens the row has left, as decode does).
         for r, row in active:
-            cfg, st = row.cfg, row.stats
-            st.rounds += 1
-            row.want = min(cfg.draft_len, cfg.max_new_tokens - len(row.out) - 1)
-            row.d, row.p, row.used, row.passes, row.drafting = [], None, None, 0, False
-            if not row.want:
-                continue
-            if cfg.drafter in ("ngram", "hybrid"):
-                d, n = NgramDrafter(cfg.ngram_max).match(row.seq, row.want)
-                if cfg.drafter == "ngram" or (len(d) >= min(2, row.want) and n >= HybridDrafter.min_match):
-                    row.d, row.used = [int(t) for t in d], "ngram"
-                    continue
-            row.used, row.drafting = "model", True
-            row.p = None if cfg.sampling.greedy else []
-            model_rows.append((r, row))
-
-        # 2. Draft: one batched draft pass per drafted position; rows that are done drafting are padded.
-        step = 0
-        while drafting := [(r, row) for r, row in model_rows if row.drafting]:
-            draft = self.draft
-            feeds = {r: (row.seq[draft.count(r):] if step == 0 else [row.d[-1]]) for r, row in drafting}
-            logits = draft.forward(feeds, last=True)
-            for r, row in drafting:
-                rows, ids = logits[r][0], self.pair.draft_ids  # [W]
-                cfg = row.cfg
-                if cfg.sampling.greedy:
-                    t, top = greedy_pick(rows, ids, self.vocab, bool(cfg.confidence_stop))
-                else:
-                    p = sampling.warp(expand_logits(rows, ids, self.vocab)[None], cfg.sampling)[0]
-                    t = sampling.draw(p, row.rng.random())
-                    top = p.max()
-                    row.p.append(p)
-                row.d.append(t)
-                row.passes += 1
-                if top < cfg.confidence_stop or len(row.d) == row.want:
-                    row.drafting = False
-            step += 1
-        for r, row in active:
-            st = row.stats
-            if row.want:
-                st.draft_passes += row.passes
-                st.rounds_by_drafter[row.used] = st.rounds_by_drafter.get(row.used, 0) + 1
-            st.draft_len_hist[len(row.d)] = st.draft_len_hist.get(len(row.d), 0) + 1
-
+            left = row.cfg.max_new_tokens - len(row.out)
+            row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left)
+        # 2. Draft: the rows' proposers step in lockstep, one batched draft pass per drafted position.
+        drafts = self._propose([(r, row) for r, row in active if row.k])
         # 3. Verify every row's last token and drafts in one batched target pass.
-        logits = self.target.forward({r: [row.seq[-1], *row.d] for r, row in active}, last=False)
+        logits = self.target.forward({r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}, last=False)
         self.totals.target_passes += 1
         self.totals.row_rounds += len(active)
-
-        # 4. Accept per row, commit per row, emit.
+        # 4. Accept, commit and emit per row.
         for r, row in active:
-            cfg, st, kn = row.cfg, row.stats, len(row.d)
-            lg = logits[r][:, : self.vocab]  # [k+1, V]
-            d = np.array(row.d, np.int64)
-            if cfg.sampling.greedy:
-                n, t = sampling.accept_greedy(d, lg)
-            else:
-                p_draft = np.stack(row.p) if row.p else None
-                n, t = sampling.accept_sample(d, p_draft, sampling.warp(lg, cfg.sampling), row.rng.random(kn + 1))
-            st.target_passes += 1
+            draft, lg = drafts.get(r, NOTHING), logits[r][:, : self.vocab]  # [k'+1, V]
+            n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng)
+            new = [*draft.tokens[:n].tolist(), t]
             self.target.keep(r, len(row.seq) + n)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
-            if row.uses_draft_cache:
-                self.draft.keep(r, min(self.draft.count(r), len(row.seq) + n))
-            st.proposed += kn
-            st.accepted += n
-            for i in range(kn):
-                st.proposed_at[i] += 1
-                st.accepted_at[i] += i < n
-            self.totals.proposed += kn
+            row.policy.commit(len(row.seq) + n)
+            row.stats.count(Round(row.proposer, row.k, draft, n, new, lg, 0.0, 0.0))
+            self.totals.proposed += len(draft.tokens)
             self.totals.accepted += n
-            self._emit(row, row.d[:n] + [t])
+            self._emit(row, new)
+
+    def _propose(self, rows: list[tuple[int, _Row]]) -> dict[int, Proposal]:
+        """Each row's proposal: its proposer's steps (proposers.ModelProposer.steps), driven together."""
+        done, steps, feeds = {}, {}, {}
+        for r, row in rows:
+            g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.cfg.confidence_stop)
+            try:
+                feeds[r], steps[r] = next(g), g
+            except StopIteration as s:  # needs no pass (a lookup)
+                done[r] = s.value
+        while feeds:
+            logits = self.draft.forward(feeds, last=True)
+            feeds = {}
+            for r, g in list(steps.items()):
+                try:
+                    feeds[r] = g.send(logits[r][0])  # [W]
+                except StopIteration as s:
+                    del steps[r]
+                    done[r] = s.value
+        return done
 
     def close(self) -> None:
         self.target.close()
@@ -462,6 +420,12 @@ def default_draft_len(m, tuned: dict | None = None) -> int:
     return min(4, m.max_draft_len)
 
 
+def default_drafter(m, tuned: dict | None = None) -> str:
+    """The drafter a batch uses unless told: the tuned one, else the draft model (batches draft at a fixed
+    length, measured with it), or prompt lookup for a pair without one."""
+    return (tuned or {}).get("drafter") or ("model" if m.draft is not None else "ngram")
+
+
 def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, draft_len: int | None = None,
                    stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
@@ -475,11 +439,12 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
     if len(seeds) != len(prompts):
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     k = default_draft_len(pair.manifest, pair.tuned) if draft_len is None else draft_len
+    dr = default_drafter(pair.manifest, pair.tuned)
     sampling_cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     reqs = []
     with BatchDecoder(pair, batch_size) as dec:
         for i, (p, s) in enumerate(zip(prompts, seeds)):
-            cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=k, seed=s, stop=tuple(stop), drafter=drafter,
+            cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=k, seed=s, stop=tuple(stop), drafter=drafter or dr,
                               confidence_stop=confidence_stop, sampling=sampling_cfg)
             ids = pair.encode(p, chat)
             dec.check(ids, cfg)

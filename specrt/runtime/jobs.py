@@ -82,12 +82,12 @@ class Record:
 
 def resolve_settings(m, s: JobSettings) -> JobSettings:
     """Fill the pair's defaults in, so that the job identity names what actually runs."""
-    from specrt.runtime.batch import default_draft_len
+    from specrt.runtime.batch import default_draft_len, default_drafter
 
     tuned = m.tuned or {}
     if tuned and tuned.get("graphs") != m.graph_hashes():
         tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
-    drafter = s.drafter or tuned.get("drafter") or ("model" if m.draft is not None else "ngram")
+    drafter = s.drafter or default_drafter(m, tuned)
     k = default_draft_len(m, tuned) if s.draft_len is None else s.draft_len
     cs = tuned.get("confidence_stop", 0.0) if s.confidence_stop is None else s.confidence_stop
     out = replace(s, drafter=drafter, draft_len=k, confidence_stop=cs)
@@ -344,7 +344,7 @@ class Runner:
 
     `try_plain`: with "auto", also time each size without drafting (draft_len 0) and keep whichever of
     the two is faster there. Batching and speculation compete for the same spare compute: measured on
-    the int4 pair, drafting pays at batch 1 and costs from batch 2 on (bench/RESULTS.md). Only for jobs
+    the int4 pair, drafting pays at batch 1 and costs at batch 4 and 8 (bench/RESULTS.md). Only for jobs
     whose draft length is the pair's default, not one the user asked for."""
 
     def __init__(self, pair, batch_size: int | str, log=None, try_plain: bool = False):

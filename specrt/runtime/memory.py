@@ -15,7 +15,7 @@ with onnxruntime 1.32's CPU provider, bench/RESULTS.md "Memory"):
   `logits_width` float32 values) twice over, for the copies the sampler makes;
 - a workspace: Python, numpy and onnxruntime themselves, the loaded tokenizer (about 8.5 times its
   tokenizer.json), each onnxruntime session's own state, and the activations of the widest pass (a
-  prompt is read in chunks of `runtime.pair.PREFILL_CHUNK` tokens, so that is a chunk's).
+  prompt is read in chunks of ``PREFILL_CHUNK`` tokens, so that is a chunk's).
 
 It is compared with the memory the kernel says is available (`MemAvailable` in /proc/meminfo). On
 a Jetson the CPU and the GPU share one memory, and this is the same number.
@@ -48,6 +48,10 @@ PACKED_FACTOR = 1.05
 MAPPED_ALLOWANCE = 32 * MB  # page cache of an embedding table's touched rows, per model (measured 8-60 MB)
 ACTIVATION_FACTOR = 2  # activations of a pass: this many gate/up outputs per token (measured at chunks of 128)
 MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
+# Prompts are read in chunks of this many tokens: on the CPU as fast as one pass (int4 pair, a 1024-token
+# prompt: target 8.2 vs 8.1 s, draft 2.67 vs 2.50 s) with an eighth of the activations' memory (+445 -> +54 MB,
+# +295 -> +73 MB; bench/RESULTS.md). On a GPU wider passes are cheaper per token: not measured, a larger chunk.
+PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
 
 
 def _itemsize(entry: ModelEntry) -> int:
@@ -130,7 +134,6 @@ def estimate(pair_dir, manifest: Manifest, batch: int = 1, tokens: int | None = 
              device: str = "cpu") -> MemoryEstimate:
     """What loading this pair (with `batch` sequences per cache) and running it takes: its caches filled to
     `tokens` positions (default max_len, the most a request can use), from the manifest and file sizes."""
-    from specrt.runtime.pair import PREFILL_CHUNK
 
     tokens = manifest.max_len if tokens is None else min(tokens, manifest.max_len)
     entries = {"target": manifest.target} | ({"draft": manifest.draft} if manifest.draft is not None else {})

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
-from specrt.runtime.adaptive import Calibration, CostModel
-from specrt.runtime.drafters import DraftMemory
+from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
+from specrt.runtime.proposers import DraftMemory
 from specrt.errors import ConfigError, PairError
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
@@ -100,13 +100,6 @@ class Pair:
     `self.memory`.
     """
 
-    # How far a request's learned acceptance moves the next request's starting point: a running mean
-    # over requests. A request's own estimate at its end (weight 1, before) is a poor guess for the
-    # next prompt: after three chat prompts it sat at 0.4-0.6, below break-even, and the model drafter
-    # decoded the edit requests that followed plainly. At 0.25, requests stuck in plain decoding went
-    # 7 -> 4 of 30 (model auto) and 4 -> 0 (hybrid) in an A/B, tokens/s +1% (bench/RESULTS.md, ninth sitting).
-    prior_weight = 0.25
-
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
                  check_memory: bool = True, device: str = "auto"):
         from specrt.runtime import memory
@@ -150,22 +143,20 @@ class Pair:
             self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
-        self.costs = CostModel()  # measured pass times on this machine, shared by all requests
         self.tuned = (m.tuned or {}) if use_tuned else {}
-        # auto's prior: conditional acceptance per draft position, carried from request to request
-        self.acceptance: dict[str, list[float]] = {}  # per drafter kind ("model", "ngram")
-        self.probes: dict[str, tuple[int, int]] = {}  # auto's probe schedule per kind, carried likewise
-        self.calibration = Calibration()  # the draft's acceptance by the target's confidence, likewise
+        self.auto_config = AutoConfig()  # the draft-length policy's settings (runtime/policy.py)
+        # what requests learn (pass costs, acceptance, probe schedules, calibration), carried between them
+        self.state = PolicyState()
         if self.tuned.get("acceptance"):
             kind = "ngram" if self.tuned.get("drafter") == "ngram" else "model"
-            self.acceptance[kind] = list(self.tuned["acceptance"])
+            self.state.acceptance[kind] = list(self.tuned["acceptance"])
         if self.tuned:
             if self.tuned.get("graphs") != m.graph_hashes():
                 raise PairError(f"the tuned settings in {self.dir}/manifest.json were measured on other graphs "
                                 "(re-exported?); rerun `specrt tune` or delete the manifest's \"tuned\" entry")
             c = self.tuned.get("costs", {})
-            self.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()},
-                                   draft_read_s=c.get("draft_read_s"))
+            self.state.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()},
+                                         draft_read_s=c.get("draft_read_s"))
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
@@ -177,8 +168,8 @@ class Pair:
         "auto" picks each round's length from measured acceptance and costs; default: what
         `specrt tune` chose for this pair, else "auto".
         `drafter`: "model" (the pair's draft model), "ngram" (prompt lookup, no draft model needed)
-        or "hybrid" (the n-gram proposal when there is one, else the draft model); default: "model" if
-        the pair has a draft model, else "ngram".
+        or "hybrid" (the policy chooses between the two each round); default: what `specrt tune` chose,
+        else "hybrid" if the pair has a draft model, else "ngram".
         `chat=True` wraps a text prompt in the tokenizer's chat template as a user message.
         `stop`: a string or a list of strings; the text ends before the first one that appears.
         `on_text` receives the text as it is produced (stop strings never reach it), in this thread.
@@ -186,7 +177,7 @@ class Pair:
         pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
         `draft_window`: the most tokens the draft model reads in one catch-up pass (the prompt, what
         n-gram rounds emitted); further behind, it reads only the last ones (0: no limit). Default:
-        32 on the CPU, no limit on a GPU (runtime.drafters.default_window).
+        32 on the CPU, no limit on a GPU (runtime.proposers.default_window).
         """
         cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
                           drafter=drafter, draft_window=draft_window,
@@ -228,7 +219,9 @@ class Pair:
 
     @property
     def default_drafter(self) -> str:
-        return self.tuned.get("drafter") or ("model" if self.draft is not None else "ngram")
+        """What `specrt tune` chose, else hybrid (with draft_len auto the fastest setting measured on every
+        prompt class, bench/RESULTS.md), or prompt lookup for a pair without a draft model."""
+        return self.tuned.get("drafter") or ("hybrid" if self.draft is not None else "ngram")
 
     def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
         """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
@@ -335,13 +328,8 @@ class Pair:
             cancelled = cancelled_now()
             return cancelled
 
-        tokens, reason, stats = decode(self.target, self._drafter(cfg), prompt, cfg, m.vocab_size,
-                                       frozenset(m.eos_token_ids), on_tokens, self.costs, m.max_draft_len,
-                                       self.acceptance, self.probes, self.calibration)
-        for kind, est in stats.acceptance_estimate.items():  # the next request starts from what earlier ones learned
-            old = self.acceptance.get(kind)
-            w = self.prior_weight if old is not None and len(old) == len(est) else 1.0
-            self.acceptance[kind] = [a + w * (b - a) for a, b in zip(old or est, est)]
+        tokens, reason, stats = decode(self.target, self.policy(cfg), prompt, cfg, m.vocab_size,
+                                       frozenset(m.eos_token_ids), on_tokens)
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)
@@ -353,16 +341,22 @@ class Pair:
         self.last_result = Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
         return self.last_result
 
-    def _drafter(self, cfg: GenerationConfig):
-        from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, default_window
+    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: AutoConfig | None = None):
+        """The draft-length policy and proposers of a request (runtime/policy.build), learning into `state`
+        (default: the Pair's)."""
+        from specrt.runtime.policy import build
+        from specrt.runtime.proposers import ModelProposer, default_window
 
-        if cfg.draft_len == 0:
-            return None
-        if cfg.drafter == "ngram":
-            return NgramDrafter(cfg.ngram_max)
-        window = default_window(self.device) if cfg.draft_window is None else cfg.draft_window
-        model = ModelDrafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, window or None)
-        return model if cfg.drafter == "model" else HybridDrafter(model, NgramDrafter(cfg.ngram_max))
+        window = (default_window(self.device) if cfg.draft_window is None else cfg.draft_window) or None
+
+        def model(kind: str, skip: int | None) -> ModelProposer:
+            skip = min(skip, window) if skip and window else None  # an unwindowed draft reads what it missed
+            return ModelProposer(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, window,
+                                 kind=kind, skip=skip)
+
+        return build(cfg.draft_len, cfg.drafter, self.manifest.max_draft_len, self.state if state is None else state,
+                     model if self.draft is not None else None, cfg.ngram_max,
+                     self.auto_config if config is None else config)
 
     def close(self) -> None:
         """Release the sessions and caches. Idempotent.
@@ -537,13 +531,9 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
     return "cpu", f"running on the CPU: this pair is made for a GPU, but {why or 'TensorRT is not installed'}"
 
 
-# Prompts are read in chunks of this many tokens: on the CPU as fast as one pass (int4 pair, a 1024-token
-# prompt: target 8.2 vs 8.1 s, draft 2.67 vs 2.50 s) with an eighth of the activations' memory (+445 -> +54 MB,
-# +295 -> +73 MB; bench/RESULTS.md). On a GPU wider passes are cheaper per token: not measured, a larger chunk.
-PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
-
-
 def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
+    from specrt.runtime.memory import PREFILL_CHUNK
+
     entry = getattr(m, role)
     if device == "tensorrt":
         from specrt.engines.trt import TrtEngine

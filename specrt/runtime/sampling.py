@@ -49,6 +49,22 @@ def draw(dist: np.ndarray, u: float) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(dist) - 1))
 
 
+def pick(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
+    """One token from logits [V]: the argmax (greedy), else a draw from the warped distribution."""
+    if cfg.greedy:
+        return int(logits.argmax())
+    return draw(warp(logits[None], cfg)[0], rng.random())
+
+
+def accept(draft_tokens: np.ndarray, p_draft: np.ndarray | None, target_logits: np.ndarray, cfg: SamplingConfig,
+           rng: np.random.Generator) -> tuple[int, int]:
+    """One round's test: draft_tokens [k], p_draft [k, V] or None, target_logits [k+1, V] -> (n accepted,
+    next token). Greedy takes no random numbers; sampling exactly k+1 uniforms, so a seed reproduces."""
+    if cfg.greedy:
+        return accept_greedy(draft_tokens, target_logits)
+    return accept_sample(draft_tokens, p_draft, warp(target_logits, cfg), rng.random(len(draft_tokens) + 1))
+
+
 def accept_greedy(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
     """draft_tokens [k], target_logits [k+1, V] -> (n accepted, next token).
 

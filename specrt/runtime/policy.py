@@ -1,0 +1,536 @@
+"""The draft-length policy: which proposer drafts each round, and how many tokens.
+
+`Fixed(k)` drafts k tokens a round. With two proposers (hybrid) it takes the lookup proposal when it
+is long enough and continues a long enough match, else the model's.
+
+`Auto` ("auto") chooses each round's k from measured acceptance and pass costs. With per-position
+acceptance a_i (the chance draft token i is accepted given 1..i-1 were), a round with k drafts emits
+E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens and costs k * c_draft + c_target(k+1) (Leviathan et al.
+2023, with measured rather than modelled costs); it takes the k that maximises E(k) / cost(k), k = 0
+being plain decoding. One `Controller` per proposal kind holds the estimate ("model", the lookup's
+"ngram1".."ngram8" by matched length). With two proposers it offers the round to whichever is expected
+to emit more per second, counting what the draft model's catch-up will cost after lookup rounds.
+When k = 0 wins it still probes now and then with one draft token (the wait doubling after each probe
+that does not restart drafting), so it resumes once drafting pays again; a plain round's target
+confidence also predicts what a model draft would have got there (`Calibration`), which moves the
+estimate without a probe. Positions past the chosen k are never observed, so now and then it drafts
+one more token than it would, to measure it again.
+
+Everything tunable is one frozen `AutoConfig`; what requests learn (costs, acceptance, probe
+schedules, calibration) is one `PolicyState` that the Pair carries between requests.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from specrt.runtime import sampling
+from specrt.runtime.proposers import NOTHING, LookupProposer, ModelProposer, Proposal, Proposer
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """The policy's settings. A variant to compare is `dataclasses.replace(AutoConfig(), field=...)`."""
+
+    # acceptance per position a request starts from when nothing was learned yet
+    prior: float = 0.7
+    # EMA weight kept by the acceptance estimate at each observation (it counts as ~5.7 observations)
+    decay: float = 0.85
+    # how far one request's final estimate moves the next request's starting point (a running mean)
+    prior_weight: float = 0.25
+    # plain rounds before the first probe; each probe that does not restart drafting doubles the wait
+    probe_every: int = 16
+    # the longest wait: a probe after that many plain rounds is due whatever it costs
+    max_probe_every: int = 1024
+    # a probe is due once the plain rounds since the last one are worth this fraction of its cost
+    probe_budget: float = 0.015
+    # also due when what it is expected to save over the rest of the request covers its cost
+    probe_value: bool = True
+    # plain rounds after which the estimate counts half as many observations (0: it never ages)
+    stale_half_life: int = 64
+    # every this many drafting rounds, draft one token more than the estimate says (0: never)
+    widen_every: int = 8
+    # skip drafting when its first catch-up pass costs more than drafting can save in the request
+    catchup_gate: bool = True
+    # learn the draft model's acceptance by the target's confidence; plain rounds follow it
+    calibration: bool = True
+    # plan a request on the costs as they were when it started (a seed then reproduces)
+    snapshot: bool = True
+    # a request starts from the probe schedule the previous one left (else every request probes afresh)
+    carry_probes: bool = True
+    # one estimate per matched suffix length of a lookup proposal (1, 2, 3-7, 8+), else one for all
+    lookup_kinds: bool = True
+    # hybrid: score each lookup proposal against what the target emitted, whether it drafted or not
+    shadow: bool = True
+    # hybrid: offer a round with a lookup proposal to the model when the model is expected to pay more
+    switch: bool = True
+    # hybrid: the model counts on drafting only the share of rounds no lookup proposal served so far
+    share: bool = True
+    # hybrid: the draft model learns its acceptance apart ("hybrid-model"): it drafts the hard places
+    hybrid_model_kind: bool = True
+    # fixed hybrid: a lookup proposal drafts when at least this long and continuing a match this long
+    min_len: int = 2
+    min_match: int = 2
+    # hybrid with a windowed draft: after its first draft of a request a catch-up reads at most this
+    # many of the tokens it missed (lookup rounds' copies; None: all, up to the window)
+    skip: int | None = 8
+
+
+@dataclass
+class CostModel:
+    """Running (EMA) costs in seconds: one draft pass, a target pass per verify width, and what each
+    further token of a draft catch-up pass costs (`draft_read_s`)."""
+
+    draft_s: float | None = None
+    target_s: dict[int, float] = field(default_factory=dict)
+    draft_read_s: float | None = None
+    decay: float = 0.8
+
+    def observe_draft(self, seconds: float, passes: int) -> None:
+        if passes:
+            per = seconds / passes
+            self.draft_s = per if self.draft_s is None else self.decay * self.draft_s + (1 - self.decay) * per
+
+    def observe_catchup(self, seconds: float, tokens: int) -> None:
+        """A draft pass that read `tokens` (> 2) tokens at once: each beyond the first costs this much."""
+        if tokens > 2 and self.draft_s is not None:
+            per = max(seconds - self.draft_s, 0.0) / (tokens - 1)
+            old = self.draft_read_s
+            self.draft_read_s = per if old is None else self.decay * old + (1 - self.decay) * per
+
+    def observe_target(self, width: int, seconds: float) -> None:
+        old = self.target_s.get(width)
+        self.target_s[width] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def target(self, width: int) -> float | None:
+        """Measured cost at `width`, else interpolated/extrapolated linearly from measured widths; never
+        above what a wider pass measured (a slow spike left in the one-token cost would otherwise make
+        drafting look cheaper than plain decoding whatever the acceptance, and keep it drafting)."""
+        wider = [s for w, s in self.target_s.items() if w > width]
+        raw = self._target(width)
+        return min([raw, *wider]) if raw is not None else None
+
+    def _target(self, width: int) -> float | None:
+        if width in self.target_s:
+            return self.target_s[width]
+        known = sorted(self.target_s)
+        if not known:
+            return None
+        lo = max((w for w in known if w < width), default=None)
+        hi = min((w for w in known if w > width), default=None)
+        if lo is not None and hi is not None:
+            t = (width - lo) / (hi - lo)
+            return self.target_s[lo] * (1 - t) + self.target_s[hi] * t
+        if len(known) >= 2:  # extrapolate from the two nearest widths, never below the nearest
+            a, b = (known[-2], known[-1]) if hi is None else (known[0], known[1])
+            slope = max((self.target_s[b] - self.target_s[a]) / (b - a), 0.0)
+            edge = b if hi is None else a
+            return max(self.target_s[edge] + slope * (width - edge), 0.0)
+        return self.target_s[known[0]] * (1 + 0.1 * (width - known[0]))  # prior: a wider pass costs a bit more
+
+
+@dataclass
+class Calibration:
+    """How often the draft model's first token is accepted, by how sure the target is of its own token
+    there (its top probability, in bins at `edges`), learned from the rounds the draft model drafts. In
+    a plain round the target's logits are at hand, so this predicts for free whether a draft would have
+    been accepted (measured on the int4 pair at k = 2: 0.31 below 0.5, 0.91 above 0.99). Older rounds
+    fade (`keep`: a round 140 rounds back counts half); a bin predicts once it holds `min_seen` rounds."""
+
+    edges: tuple[float, ...] = (0.5, 0.8, 0.95, 0.99)
+    hits: list[float] = field(default_factory=lambda: [0.0] * 5)
+    seen: list[float] = field(default_factory=lambda: [0.0] * 5)
+    keep: float = 0.995
+    min_seen: float = 4.0
+
+    def observe(self, top: float, accepted: bool) -> None:
+        b = bisect.bisect_right(self.edges, top)
+        self.hits = [h * self.keep for h in self.hits]
+        self.seen = [n * self.keep for n in self.seen]
+        self.hits[b] += float(accepted)
+        self.seen[b] += 1.0
+
+    @property
+    def ready(self) -> bool:
+        """Whether some bin predicts yet (until then a plain round need not compute the top probability)."""
+        return max(self.seen) >= self.min_seen
+
+    def predict(self, top: float) -> float | None:
+        b = bisect.bisect_right(self.edges, top)
+        return self.hits[b] / self.seen[b] if self.seen[b] >= self.min_seen else None
+
+
+@dataclass
+class PolicyState:
+    """What requests learn and the next ones start from; the Pair keeps one."""
+
+    costs: CostModel = field(default_factory=CostModel)
+    acceptance: dict[str, list[float]] = field(default_factory=dict)  # per kind, conditional per position
+    probes: dict[str, tuple[int, int]] = field(default_factory=dict)  # per kind: (wait, rounds since the last)
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def learn(self, estimates: dict[str, list[float]], weight: float) -> None:
+        """Move each kind's starting point `weight` of the way to what a request ended with (a kind seen
+        for the first time takes it as is)."""
+        for kind, est in estimates.items():
+            old = self.acceptance.get(kind)
+            w = weight if old is not None and len(old) == len(est) else 1.0
+            self.acceptance[kind] = [a + w * (b - a) for a, b in zip(old or est, est)]
+
+
+@dataclass
+class Round:
+    """What one round did, for the policy and the stats."""
+
+    proposer: Proposer | None
+    planned: int  # the k the policy chose
+    proposal: Proposal
+    accepted: int  # n: drafts accepted
+    new: list[int]  # the tokens the round emitted: n drafts and the target's next token
+    logits: np.ndarray  # the verify pass's target logits [k'+1, V]
+    draft_s: float
+    verify_s: float
+
+    @property
+    def k(self) -> int:  # drafts verified
+        return len(self.proposal.tokens)
+
+
+class Controller:
+    """The acceptance estimate and probe schedule of one proposal kind within a request."""
+
+    def __init__(self, max_k: int, costs: CostModel, config: AutoConfig = AutoConfig(), free_draft: bool = False,
+                 accept: Sequence[float] = ()):
+        self.max_k, self.costs, self.c, self.free_draft = max_k, costs, config, free_draft
+        self.accept = list(accept)[:max_k] + [config.prior] * (max_k - len(accept[:max_k]))
+        self._gap, self._since_probe = config.probe_every, 0
+        self._stale = 0  # plain rounds before the round being observed (a probe's), 0 when drafting
+        self._since_widen = 0
+        self.rounds_skipped = 0
+
+    @property
+    def probe_state(self) -> tuple[int, int]:
+        """(rounds between probes now, rounds since the last one): carried from request to request."""
+        return self._gap, self._since_probe
+
+    @probe_state.setter
+    def probe_state(self, state: tuple[int, int]) -> None:
+        self._gap, self._since_probe = int(state[0]), int(state[1])
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for a in self.accept[:k]:
+            run *= a
+            e += run
+        return e
+
+    def cost(self, k: int) -> float:
+        """Predicted seconds of a round with k drafts (0 when nothing is measured yet)."""
+        draft_s = 0.0 if self.free_draft else (self.costs.draft_s or 0.0)
+        return (self.costs.target(k + 1) or 0.0) + k * draft_s
+
+    def best(self, limit: int, extra_s: float = 0.0) -> tuple[int, float | None]:
+        """(the k <= limit with the most expected tokens per second, that rate; None while nothing is
+        measured). `extra_s`: what a drafting round costs besides its passes (a later catch-up)."""
+        limit = min(limit, self.max_k)
+        c1 = self.costs.target(1)
+        draft_s = 0.0 if self.free_draft else self.costs.draft_s
+        if not c1 or draft_s is None:  # nothing measured yet (or a pass below the timer's resolution)
+            return min(max(limit, 0), 2), None  # a short draft measures both costs
+        best_k, best_rate = 0, 1.0 / c1
+        for k in range(1, limit + 1):
+            rate = self.expected_tokens(k) / (self.cost(k) + extra_s)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def catchup_cost(self, behind: int) -> float:
+        """Seconds the draft model's next pass spends reading the `behind` tokens it has not seen, beyond
+        the one a draft step reads anyway (before `draft_read_s` is measured: about one more pass)."""
+        if self.free_draft:
+            return 0.0
+        if self.costs.draft_read_s is None:
+            return self.costs.draft_s or 0.0
+        return max(behind - 1, 0) * self.costs.draft_read_s
+
+    def probe_cost(self, behind: int) -> float | None:
+        """Extra seconds of a one-token probe now: a draft step, the catch-up, a verify one token wider."""
+        c1 = self.costs.target(1)
+        draft_s = 0.0 if self.free_draft else self.costs.draft_s
+        if not c1 or draft_s is None:
+            return None
+        return draft_s + self.catchup_cost(behind) + max((self.costs.target(2) or c1) - c1, 0.0)
+
+    def weight(self, stale: int) -> float:
+        """EMA weight of an observation after `stale` plain rounds: the estimate counts as decay / (1 -
+        decay) observations while drafting and ages in plain rounds, down to one observation's worth, so
+        a probe after a long pause counts up to half."""
+        age = 0.5 ** (stale / self.c.stale_half_life) if self.c.stale_half_life else 1.0
+        n = self.c.decay / (1 - self.c.decay) * age
+        return 1.0 / (1.0 + max(n, 1.0))
+
+    def probe_value(self, limit: int, remaining: int) -> float:
+        """Expected seconds a probe saves over `remaining` tokens: the chance it is accepted times what
+        drafting at the estimate it would then leave saves a token."""
+        c1 = self.costs.target(1)
+        if not c1 or remaining <= 0:
+            return 0.0
+        hit = list(self.accept)
+        hit[0] += (1.0 - hit[0]) * self.weight(self._since_probe)
+        k, rate = Controller(self.max_k, self.costs, self.c, self.free_draft, hit).best(limit)
+        if not k or rate is None:
+            return 0.0
+        return self.accept[0] * max(c1 - 1.0 / rate, 0.0) * remaining
+
+    def probe_due(self, behind: int, limit: int = 1, remaining: int = 0) -> bool:
+        """After a plain round: not before the wait; then once the plain rounds' `probe_budget` covers the
+        probe's cost now, or what it may save does, or after `max_probe_every` rounds whatever it costs."""
+        if self._since_probe < self._gap:
+            return False
+        if self._since_probe >= self.c.max_probe_every:
+            return True
+        cost, c1 = self.probe_cost(behind), self.costs.target(1)
+        return (cost is None or self._since_probe * self.c.probe_budget * c1 >= cost
+                or (self.c.probe_value and self.probe_value(limit, remaining) >= cost))
+
+    def wait(self) -> None:
+        """A round this kind was not asked (hybrid: a lookup round): one more round since its last probe."""
+        self._since_probe += 1
+
+    def choose(self, limit: int, behind: int = 0, remaining: int = 0, share: float = 1.0) -> int:
+        """Draft length for the next round, at most `limit`; `behind`: tokens the draft would read first;
+        `remaining`: tokens the request may still generate; `share`: the part of them this kind may
+        expect to draft for."""
+        limit = min(limit, self.max_k)
+        if limit <= 0:
+            return 0
+        best_k, rate = self.best(limit)
+        if rate is None:
+            return best_k
+        if self.c.catchup_gate and best_k and behind > 2 and remaining > 0 and not self.free_draft:
+            # drafting first needs a catch-up pass: worth it only if drafting saves that much
+            if remaining * share * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
+                best_k = 0
+        if best_k == 0:
+            self._since_probe += 1
+            if self.probe_due(behind, limit, int(remaining * share)):
+                self._gap = min(2 * self._since_probe, self.c.max_probe_every)  # twice the wait it just had
+                self._stale, self._since_probe = self._since_probe, 0
+                return 1
+            self.rounds_skipped += 1
+        else:
+            self._stale, self._gap, self._since_probe = self._since_probe, self.c.probe_every, 0
+            self._since_widen += 1
+            if self.c.widen_every and best_k < limit and self._since_widen >= self.c.widen_every:
+                self._since_widen = 0
+                return best_k + 1
+        return best_k
+
+    def follow(self, predicted: float) -> None:
+        """A plain round's prediction of the first position's acceptance moves it as an observation would."""
+        self.accept[0] += (predicted - self.accept[0]) * (1.0 - self.c.decay)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Positions 1..accepted were accepted, accepted+1 (if proposed) was not."""
+        w = self.weight(self._stale)
+        for i in range(min(proposed, self.max_k)):
+            if i > accepted:
+                break
+            self.accept[i] += ((1.0 if i < accepted else 0.0) - self.accept[i]) * w
+        self._stale = 0
+
+
+class Policy(Protocol):
+    max_k: int  # the most drafts a round may take
+
+    def start(self, prompt: list[int]) -> None: ...
+    def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
+        """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit."""
+    def commit(self, valid: int) -> None: ...
+    def observe(self, r: Round) -> None: ...
+    def finish(self, new_tokens: int) -> dict:
+        """Stats fields it reports at the end of the request."""
+
+
+class _Base:
+    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: AutoConfig):
+        self.proposers, self.max_k, self.state, self.c = tuple(proposers), max_k if proposers else 0, state, config
+        self.lookup = next((p for p in proposers if p.free), None)
+        self.model = next((p for p in proposers if not p.free), None)
+        self.spent = 0.0  # seconds of draft and verify passes
+
+    def start(self, prompt: list[int]) -> None:
+        for p in self.proposers:
+            p.start(prompt)
+        self.spent = 0.0
+
+    def commit(self, valid: int) -> None:
+        for p in self.proposers:
+            p.commit(valid)
+
+    def observe(self, r: Round) -> None:
+        costs, prop = self.state.costs, r.proposal
+        if prop.passes:  # per draft step; a catch-up pass after rounds without drafting is not one
+            costs.observe_draft(r.draft_s - prop.catchup_s, prop.passes - (prop.catchup_s > 0))
+            if prop.catchup_s:
+                costs.observe_catchup(prop.catchup_s, prop.catchup_tokens)
+        costs.observe_target(r.k + 1, r.verify_s)
+        self.spent += r.draft_s + r.verify_s
+
+    def finish(self, new_tokens: int) -> dict:
+        c1 = self.state.costs.target(1)
+        # tokens after the first, vs one target pass each
+        return {"measured_speedup": (new_tokens - 1) * c1 / self.spent} if c1 and self.spent else {}
+
+
+class Fixed(_Base):
+    """k drafts a round (fewer when the request ends sooner). With a lookup and a model proposer, the
+    lookup's proposal when it is at least `min_len` long and continues a match of at least `min_match`
+    tokens (a 1-token match is right ~20% of the time, the model's first token ~80% on code)."""
+
+    def __init__(self, k: int, proposers: Sequence[Proposer], state: PolicyState | None = None,
+                 config: AutoConfig = AutoConfig()):
+        super().__init__(proposers, k, state or PolicyState(), config)
+
+    def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
+        if limit <= 0:
+            return None, 0
+        if self.lookup is not None:
+            shown = self.lookup.peek(seq, limit)
+            if self.model is None or (len(shown) >= min(self.c.min_len, limit) and self.lookup.matched >= self.c.min_match):
+                return self.lookup, limit
+        return self.model, limit
+
+
+class Auto(_Base):
+    """draft_len="auto" (module docstring)."""
+
+    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState | None = None,
+                 config: AutoConfig = AutoConfig()):
+        super().__init__(proposers, max_k, state or PolicyState(), config)
+        self.hybrid = self.lookup is not None and self.model is not None
+
+    def start(self, prompt: list[int]) -> None:
+        super().start(prompt)
+        costs = self.state.costs
+        # Controllers plan with the costs as they were when the request started, so their choices (and the
+        # random draws) depend only on that snapshot, the seed and the tokens. A snapshot lacking a cost
+        # they need (a fresh, untuned pair) would freeze them on their opening guess: they follow the live one.
+        complete = bool(costs.target_s) and (costs.draft_s is not None or self.model is None)
+        self.costs = copy.deepcopy(costs) if complete and self.c.snapshot else costs
+        self.autos: dict[str, Controller] = {}
+        self.rounds = self.served = 0  # rounds planned; rounds a lookup proposal drafted
+        self.predicted_tokens = self.predicted_s = 0.0
+        self.calib = self.state.calibration if self.c.calibration and self.model is not None else None
+        self._plan: tuple[Proposer | None, Controller | None, bool] = (None, None, False)
+
+    def controller(self, kind: str) -> Controller | None:
+        """The kind's controller, made on first use from what earlier requests learned (a kind not seen
+        yet starts from its family's); None for a lookup that found nothing."""
+        if kind == "ngram":
+            return None
+        if kind not in self.autos:
+            family = "ngram" if kind.startswith("ngram") else "model"
+            prior = self.state.acceptance
+            a = self.autos[kind] = Controller(self.max_k, self.costs, self.c, free_draft=family == "ngram",
+                                              accept=list(prior.get(kind) or prior.get(family, [])))
+            if self.c.carry_probes and kind in self.state.probes:
+                a.probe_state = self.state.probes[kind]
+        return self.autos[kind]
+
+    def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
+        rounds, self.rounds = self.rounds, self.rounds + 1
+        self._plan = (None, None, False)
+        if limit <= 0:
+            return None, 0
+        src = self.model
+        if self.lookup is not None and (len(self.lookup.peek(seq, limit)) or self.model is None):
+            src = self.lookup
+        auto = self.controller(src.kind)
+        model_auto = self.controller(self.model.kind) if self.hybrid else None
+        if self.hybrid and src is self.lookup and self.c.switch:
+            # Leaving a caught-up model for a lookup round costs it a catch-up pass when it drafts again
+            # (about a draft step); once it is behind, that pass is the model round's to pay.
+            behind = self.model.behind(seq)
+            switch_s = (model_auto.costs.draft_s or 0.0) if behind <= 2 else 0.0
+            catchup_s = model_auto.catchup_cost(behind) if behind > 2 else 0.0
+            rates = [auto.best(limit, switch_s)[1], model_auto.best(limit, catchup_s)[1]]
+            if None not in rates and rates[1] > rates[0]:
+                src, auto = self.model, model_auto
+        share = (rounds - self.served + 1) / (rounds + 2) if self.hybrid and self.c.share else 1.0
+        k = auto.choose(limit, src.behind(seq), left, share) if auto else limit
+        if self.hybrid and src is self.lookup:
+            if k == 0:  # the lookup proposal does not pay: maybe the model's
+                src, auto = self.model, model_auto
+                k = auto.choose(limit, src.behind(seq), left, share)
+            else:  # a round without the model counts to its next probe
+                model_auto.wait()
+        self.served += bool(k) and src is self.lookup
+        self._plan = (src, auto, True)
+        return src, k
+
+    def observe(self, r: Round) -> None:
+        super().observe(r)
+        src, auto, planned = self._plan
+        if auto is not None:  # what the controller expected of this round
+            self.predicted_tokens += auto.expected_tokens(r.k)
+            self.predicted_s += auto.cost(r.k)
+        scored = None
+        if planned and self.c.shadow and self.lookup is not None and self.lookup.matched:
+            # The lookup proposal is scored in full against what the target emitted, whether this round
+            # verified all, part or none of it: a point-mass token is accepted exactly when the target's
+            # token equals it (greedy), or with p_target(token). So positions past k are measured too.
+            shown, new = self.lookup.proposal, r.new
+            m = next((i for i, (a, b) in enumerate(zip(shown, new)) if a != b), min(len(shown), len(new)))
+            scored = self.controller(self.lookup.kind)
+            scored.observe(m if m == len(new) else min(len(shown), m + 1), m)
+        if auto is not None and auto is not scored:
+            auto.observe(r.k, r.accepted)
+        calib, model = self.calib, self.model
+        if calib is not None and ((r.k and src is model) or (r.k == 0 and calib.ready)) and model.kind in self.autos:
+            # the target's confidence at the first position: learned against what a model draft got there;
+            # in a plain round, what it predicts steers the estimate
+            top = sampling.top_prob(r.logits[0])
+            if r.k:
+                calib.observe(top, r.accepted > 0)
+            elif (predicted := calib.predict(top)) is not None:
+                self.autos[model.kind].follow(predicted)
+
+    def finish(self, new_tokens: int) -> dict:
+        out = super().finish(new_tokens)
+        self.state.probes.update({n: a.probe_state for n, a in self.autos.items()})
+        estimates = {n: [round(x, 4) for x in a.accept] for n, a in self.autos.items()}
+        self.state.learn(estimates, self.c.prior_weight)
+        c1 = self.state.costs.target(1)
+        if "measured_speedup" in out:
+            out.update(rounds_skipped=sum(a.rounds_skipped for a in self.autos.values()), acceptance_estimate=estimates,
+                       predicted_speedup=self.predicted_tokens * c1 / self.predicted_s if self.predicted_s else 0.0)
+        return out
+
+
+def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | None = None,
+          model: Callable[..., ModelProposer] | None = None, ngram_max: int = 16,
+          config: AutoConfig = AutoConfig()) -> Fixed | Auto:
+    """The policy for a request: `drafter` "model" | "ngram" | "hybrid"; `model(kind=, skip=)` makes the
+    model proposer (None: the pair has no draft model)."""
+    if draft_len == 0:
+        return Fixed(0, (), state, config)
+    proposers: list[Proposer] = []
+    if drafter in ("ngram", "hybrid"):
+        proposers.append(LookupProposer(ngram_max, kinds=config.lookup_kinds))
+    if drafter in ("model", "hybrid"):
+        hybrid = drafter == "hybrid"
+        proposers.append(model(kind="hybrid-model" if hybrid and config.hybrid_model_kind else "model",
+                               skip=config.skip if hybrid else None))
+    if draft_len == "auto":
+        return Auto(proposers, max_k, state, config)
+    return Fixed(int(draft_len), proposers, state, config)
+
+
+__all__ = ["AutoConfig", "Auto", "Calibration", "Controller", "CostModel", "Fixed", "NOTHING", "Policy",
+           "PolicyState", "Round", "build"]

@@ -1,0 +1,268 @@
+"""Proposers: whatever proposes the draft tokens the target verifies.
+
+A proposal is `tokens [k'] (k' <= k)` with `p_draft [k', V]`, or None for point masses (the proposal
+is deterministic, or greedy), which the rejection test handles exactly: d is accepted with probability
+p_target(d). After verification the round tells every proposer how much of the sequence is committed,
+so a model proposer rolls its cache back. Which proposer drafts and how far is the policy's choice
+(runtime/policy.py); the round (runtime/decode.py) knows neither by name.
+
+A model proposer's draft loop is a coroutine (`steps`): it yields the tokens each draft pass reads and
+is sent that pass's logits row. `propose` drives it over the proposer's own engine (batch 1); batched
+decoding drives many rows' coroutines in lockstep through one batched pass per position.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from specrt.config import SamplingConfig
+from specrt.engines.base import Engine
+from specrt.runtime import sampling
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: np.ndarray  # [k'] int64
+    p_draft: np.ndarray | None = None  # [k', V] warped draft distributions; None: point masses
+    passes: int = 0  # draft model passes it took (a catch-up pass included)
+    catchup_s: float = 0.0  # time of its first pass when that read > 2 tokens (catching up), else 0
+    catchup_tokens: int = 0  # how many tokens that pass read
+
+
+NOTHING = Proposal(np.empty(0, np.int64))
+Steps = Generator[list[int], np.ndarray, Proposal]  # yields a pass's tokens, is sent its logits row [W]
+
+
+class Proposer(Protocol):
+    name: str  # "model" | "ngram": what the stats count rounds by
+    kind: str  # what its acceptance is learned under (auto keeps one estimate per kind)
+    free: bool  # proposing costs (next to) nothing: no model pass
+
+    def start(self, prompt: list[int]) -> None: ...
+    def peek(self, seq: list[int], k: int) -> np.ndarray | None:
+        """What it would propose, when that is known without a pass (None: not known); sets `kind`."""
+    def behind(self, seq: list[int]) -> int:
+        """Tokens its next proposal reads before it can draft (what a catch-up costs)."""
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+              confidence_stop: float = 0.0) -> Steps: ...
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+                confidence_stop: float = 0.0) -> Proposal: ...
+    def commit(self, valid: int) -> None:
+        """The first `valid` tokens of the sequence are committed."""
+
+
+def expand_logits(rows: np.ndarray, ids: np.ndarray | None, vocab: int) -> np.ndarray:
+    """Draft logits [..., W] -> [..., vocab]. With a restricted output vocabulary (`ids`, see
+    export/vocab.py) row j stands for token ids[j] and every other id gets -inf, i.e. probability 0
+    after warping: the draft distribution renormalised over the kept ids, which keeps the test exact."""
+    if ids is None:
+        return rows[..., :vocab]
+    full = np.full(rows.shape[:-1] + (vocab,), -np.inf, np.float32)
+    full[..., ids] = rows
+    return full
+
+
+def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: bool) -> tuple[int, float]:
+    """(argmax token, its probability or 1.0 when not wanted) from draft logits rows [W], no expansion."""
+    lg = rows[:vocab] if ids is None else rows
+    j = int(lg.argmax())
+    top = 1.0 / np.exp(lg - lg[j]).sum() if want_top else 1.0
+    return (j if ids is None else int(ids[j])), top
+
+
+class DraftMemory:
+    """What the draft's cache slots hold across requests: the sequence of the request that last used
+    it (a live reference; slots below its length hold its tokens). Kept by the Pair."""
+
+    def __init__(self):
+        self.seq: list[int] = []
+        self.off = 0  # the position in `seq` of the token the first slot holds (a windowed draft)
+
+    def forget(self) -> None:
+        self.seq, self.off = [], 0
+
+    def keep(self, n: int) -> None:
+        """Keep only the first n tokens (the slots past them count as empty)."""
+        self.seq = self.seq[:n]
+
+
+def default_window(device: str) -> int:
+    """The draft model's catch-up window when none is asked for (0: no limit). On the CPU a pass costs by
+    the token it reads (int4 0.5B draft: ~2.6 ms a token, a 150-token prompt ~11 target steps), and
+    reading only the last 32 drafted better than reading it all or the last 16 or 64 (bench/RESULTS.md).
+    On a GPU a pass over a few hundred tokens costs about one step: the draft keeps it all."""
+    return 32 if device == "cpu" else 0
+
+
+class ModelProposer:
+    """A small draft model with its own KV cache, which holds a stretch of the sequence from position
+    `off` on (0 unless windowed). `ids`: the token ids of its logits rows when its output vocabulary is
+    restricted. `memory`: with one, a request keeps the cache entries of the prefix its prompt shares
+    with the previous request's sequence (a system prompt, earlier turns) instead of reading them
+    again; exact, since those entries are what a fresh read computes, and the draft only steers.
+    `window`: the most tokens one catch-up pass reads (None: no limit); further behind (the prompt,
+    what n-gram or plain rounds emitted) it starts over from the last `window` tokens, which may cost
+    acceptance, never correctness. `skip`: once it has drafted in the request, a catch-up reads only
+    the last `skip` tokens it missed and keeps the slots before them (slot j then holds seq[off + j]
+    only from the last gap on, and the memory is dropped: the slots are no longer a prefix)."""
+
+    name = "model"
+    free = False
+
+    def __init__(self, engine: Engine, vocab: int, ids: np.ndarray | None = None, memory: DraftMemory | None = None,
+                 window: int | None = None, kind: str = "model", skip: int | None = None):
+        self.engine, self.vocab, self.ids, self.memory, self.window = engine, vocab, ids, memory, window
+        self.kind, self.skip = kind, skip
+        self.off = 0  # the position in the sequence of the token the first cache slot holds
+        self.fresh = True  # not drafted yet in this request: its first pass reads the prompt (up to `window`)
+
+    def peek(self, seq: list[int], k: int) -> None:
+        return None
+
+    def behind(self, seq: list[int]) -> int:
+        n = self._unread(seq)
+        if self.skip is not None and not self.fresh:
+            n = min(n, self.skip)
+        return n if self.window is None else min(n, self.window)
+
+    def _unread(self, seq: list[int]) -> int:
+        return len(seq) - self.off - self.engine.length
+
+    def start(self, prompt: list[int]) -> None:
+        # No prefill: the first proposal reads the prompt (a catch-up pass), so a request in which the
+        # policy never drafts never pays for the draft's prefill.
+        keep, self.off, self.fresh = 0, 0, True
+        if self.memory is not None:
+            prev, off = self.memory.seq, self.memory.off
+            # slots past len(prev) may hold rejected drafts
+            n = max(min(self.engine.length, len(prev) - off, len(prompt) - off), 0)
+            same = np.asarray(prev[off:off + n], np.int64) == np.asarray(prompt[off:off + n], np.int64)
+            keep = n if same.all() else int(same.argmin())
+            self.off = off if keep else 0
+            self.memory.seq, self.memory.off = list(prompt[:self.off + keep]), self.off
+        self.engine.truncate(keep)
+
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+              confidence_stop: float = 0.0) -> Steps:
+        """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
+        if self.skip is not None and not self.fresh and self._unread(seq) > self.skip:
+            # Read only the last `skip` tokens of what it missed; the cache keeps what came before, with a
+            # gap (the skipped tokens' positions go to the ones after them).
+            self.off = len(seq) - self.skip - self.engine.length
+            if self.memory is not None:
+                self.memory.forget()
+                self.memory = None
+        elif self.window is not None and self._unread(seq) > self.window:
+            self.off = len(seq) - self.window  # start over from the last `window` tokens
+            self.engine.truncate(0)
+        feed = seq[self.off + self.engine.length:]  # whatever the draft has not seen, x_last included
+        self.fresh = False
+        if self.memory is not None:  # the live sequence: its committed tokens from `off` on are what the slots hold
+            self.memory.seq, self.memory.off = seq, self.off
+        d, p = [], None if cfg.greedy else []
+        for _ in range(k):
+            rows = yield feed  # [W]
+            if p is None:
+                t, top = greedy_pick(rows, self.ids, self.vocab, bool(confidence_stop))
+            else:
+                p.append(sampling.warp(expand_logits(rows, self.ids, self.vocab)[None], cfg)[0])  # [V]
+                t, top = sampling.draw(p[-1], rng.random()), p[-1].max()
+            d.append(t)
+            feed = [t]
+            if top < confidence_stop:
+                break
+        return Proposal(np.array(d, np.int64), None if p is None else np.stack(p), passes=len(d))
+
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+                confidence_stop: float = 0.0) -> Proposal:
+        steps, catchup = self.steps(seq, k, cfg, rng, confidence_stop), (0.0, 0)
+        feed = next(steps)
+        while True:
+            t0 = time.perf_counter()
+            rows = self.engine.forward(np.array([feed]), np.array([len(feed) - 1]))[0, 0]  # [W]
+            if len(feed) > 2:  # catching up after rounds without drafting: not the cost of a draft step
+                catchup = (time.perf_counter() - t0, len(feed))
+            try:
+                feed = steps.send(rows)
+            except StopIteration as done:
+                return Proposal(done.value.tokens, done.value.p_draft, done.value.passes, *catchup)
+
+    def commit(self, valid: int) -> None:
+        self.engine.truncate(min(self.engine.length, valid - self.off))
+
+
+class LookupProposer:
+    """Prompt lookup: find the earlier occurrences of the longest suffix of the sequence (up to
+    `max_ngram` tokens) and propose what followed the first of them. No model at all; it shines where
+    the answer repeats the input (code edits, quoting).
+
+    How often a proposal is right depends mostly on how long a suffix it matched (greedy outputs of the
+    1.5B target on 15 prompts: the first token is accepted 21% of the time after a 1-token match, 46%
+    after 2, ~80% after 3-7 and 84-95% after 8 or more), so `peek` names each proposal's kind by that
+    length ("ngram1", "ngram2", "ngram3" = 3-7, "ngram8" = 8 or more) and auto keeps one estimate per
+    kind: a long copy gets long drafts. Among equally long matches the first wins: in an edit the first
+    occurrence is mostly the source being copied (the prompt's code), later ones coincidental repeats.
+    """
+
+    name = "ngram"
+    free = True
+
+    def __init__(self, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True):
+        self.max_ngram, self.min_ngram, self.kinds = max_ngram, min_ngram, kinds
+        self.kind = "ngram"  # of the last peek: ngram1 / ngram2 / ngram3 / ngram8, or ngram when nothing matched
+        self.matched = 0  # suffix length the last peek matched (0: none)
+        self.proposal = np.empty(0, np.int64)  # what the last peek found
+        self._at = (-1, 0)  # (len(seq), k) of the last peek
+
+    def start(self, prompt: list[int]) -> None:
+        self._at, self.proposal, self.matched, self.kind = (-1, 0), np.empty(0, np.int64), 0, "ngram"
+
+    def behind(self, seq: list[int]) -> int:
+        return 0
+
+    def peek(self, seq: list[int], k: int) -> np.ndarray:
+        self.proposal, self.matched = self.match(seq, k)
+        self._at = (len(seq), k)
+        n = self.matched
+        if not n:
+            self.kind = "ngram"
+        elif not self.kinds:
+            self.kind = "ngram-any"
+        else:
+            self.kind = "ngram8" if n >= 8 else f"ngram{min(n, 3)}"
+        return self.proposal
+
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+                confidence_stop: float = 0.0) -> Proposal:
+        if not (self._at[0] == len(seq) and self._at[1] >= k):  # not what the last peek found
+            self.peek(seq, k)
+        return Proposal(self.proposal[:k])
+
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+              confidence_stop: float = 0.0) -> Steps:
+        return self.propose(seq, k, cfg, rng)
+        yield  # a generator that needs no pass
+
+    def match(self, seq: list[int], k: int) -> tuple[np.ndarray, int]:
+        """(up to k proposed tokens, length of the suffix they continue; 0 = no match)."""
+        arr = np.asarray(seq, np.int64)
+        if len(arr) < 2:
+            return np.empty(0, np.int64), 0
+        ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier occurrences of the last token (where they end)
+        n = 1
+        while len(ends) and n < self.max_ngram:  # keep the occurrences that also match one token further back
+            longer = ends[ends >= n]
+            longer = longer[arr[longer - n] == arr[-1 - n]]
+            if not len(longer):
+                break
+            ends, n = longer, n + 1
+        if not len(ends) or n < self.min_ngram:
+            return np.empty(0, np.int64), 0
+        return arr[ends[0] + 1: ends[0] + 1 + k].copy(), n
+
+    def commit(self, valid: int) -> None:
+        pass
