@@ -24,8 +24,9 @@ from specrt.cli.common import device_option, draft_len_value, errors, load_pair
 @click.option("--confidence-stop", type=float, default=None,
               help="Stop a model draft early once its top probability falls below this (0 = never; default: tuned or 0).")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
-              help="model: the pair's draft model (default if it has one); ngram: prompt lookup, no draft model "
-                   "(default otherwise); hybrid: the n-gram proposal when there is one, else the model.")
+              help="model: the pair's draft model; ngram: prompt lookup, no draft model (default without one); "
+                   "hybrid: each round the policy chooses between the two (default with a draft model). "
+                   "Default: what `specrt tune` chose, if anything.")
 @click.option("--draft-window", type=int, default=None,
               help="The most tokens the draft model reads in one catch-up (the prompt, what n-gram rounds emitted); "
                    "further behind, it reads only the last ones (0 = no limit; default: 32 on the CPU, none on a GPU).")

@@ -145,7 +145,7 @@ class Pair:
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
         self.tuned = (m.tuned or {}) if use_tuned else {}
         self.auto_config = AutoConfig()  # the draft-length policy's settings (runtime/policy.py)
-        # what requests learn (pass costs, acceptance, probe schedules, calibration), carried between them
+        # what requests learn (pass costs, acceptance, calibration), carried between them
         self.state = PolicyState()
         if self.tuned.get("acceptance"):
             kind = "ngram" if self.tuned.get("drafter") == "ngram" else "model"

@@ -16,8 +16,8 @@ confidence also predicts what a model draft would have got there (`Calibration`)
 estimate without a probe. Positions past the chosen k are never observed, so now and then it drafts
 one more token than it would, to measure it again.
 
-Everything tunable is one frozen `AutoConfig`; what requests learn (costs, acceptance, probe
-schedules, calibration) is one `PolicyState` that the Pair carries between requests.
+Everything tunable is one frozen `AutoConfig`; what requests learn (costs, acceptance, calibration) is
+one `PolicyState` that the Pair carries between requests.
 """
 from __future__ import annotations
 
@@ -41,18 +41,12 @@ class AutoConfig:
     prior: float = 0.7
     # EMA weight kept by the acceptance estimate at each observation (it counts as ~5.7 observations)
     decay: float = 0.85
-    # how far one request's final estimate moves the next request's starting point (a running mean)
-    prior_weight: float = 0.25
     # plain rounds before the first probe; each probe that does not restart drafting doubles the wait
     probe_every: int = 16
     # the longest wait: a probe after that many plain rounds is due whatever it costs
     max_probe_every: int = 1024
     # a probe is due once the plain rounds since the last one are worth this fraction of its cost
     probe_budget: float = 0.015
-    # also due when what it is expected to save over the rest of the request covers its cost
-    probe_value: bool = True
-    # plain rounds after which the estimate counts half as many observations (0: it never ages)
-    stale_half_life: int = 64
     # every this many drafting rounds, draft one token more than the estimate says (0: never)
     widen_every: int = 8
     # skip drafting when its first catch-up pass costs more than drafting can save in the request
@@ -61,8 +55,6 @@ class AutoConfig:
     calibration: bool = True
     # plan a request on the costs as they were when it started (a seed then reproduces)
     snapshot: bool = True
-    # a request starts from the probe schedule the previous one left (else every request probes afresh)
-    carry_probes: bool = True
     # one estimate per matched suffix length of a lookup proposal (1, 2, 3-7, 8+), else one for all
     lookup_kinds: bool = True
     # hybrid: score each lookup proposal against what the target emitted, whether it drafted or not
@@ -170,17 +162,9 @@ class PolicyState:
     """What requests learn and the next ones start from; the Pair keeps one."""
 
     costs: CostModel = field(default_factory=CostModel)
-    acceptance: dict[str, list[float]] = field(default_factory=dict)  # per kind, conditional per position
-    probes: dict[str, tuple[int, int]] = field(default_factory=dict)  # per kind: (wait, rounds since the last)
+    # per kind, conditional acceptance per position, as the last request that drafted it ended
+    acceptance: dict[str, list[float]] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
-
-    def learn(self, estimates: dict[str, list[float]], weight: float) -> None:
-        """Move each kind's starting point `weight` of the way to what a request ended with (a kind seen
-        for the first time takes it as is)."""
-        for kind, est in estimates.items():
-            old = self.acceptance.get(kind)
-            w = weight if old is not None and len(old) == len(est) else 1.0
-            self.acceptance[kind] = [a + w * (b - a) for a, b in zip(old or est, est)]
 
 
 @dataclass
@@ -208,19 +192,9 @@ class Controller:
                  accept: Sequence[float] = ()):
         self.max_k, self.costs, self.c, self.free_draft = max_k, costs, config, free_draft
         self.accept = list(accept)[:max_k] + [config.prior] * (max_k - len(accept[:max_k]))
-        self._gap, self._since_probe = config.probe_every, 0
-        self._stale = 0  # plain rounds before the round being observed (a probe's), 0 when drafting
+        self._gap, self._since_probe = config.probe_every, 0  # plain rounds before the next probe; since the last
         self._since_widen = 0
         self.rounds_skipped = 0
-
-    @property
-    def probe_state(self) -> tuple[int, int]:
-        """(rounds between probes now, rounds since the last one): carried from request to request."""
-        return self._gap, self._since_probe
-
-    @probe_state.setter
-    def probe_state(self, state: tuple[int, int]) -> None:
-        self._gap, self._since_probe = int(state[0]), int(state[1])
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
@@ -266,37 +240,15 @@ class Controller:
             return None
         return draft_s + self.catchup_cost(behind) + max((self.costs.target(2) or c1) - c1, 0.0)
 
-    def weight(self, stale: int) -> float:
-        """EMA weight of an observation after `stale` plain rounds: the estimate counts as decay / (1 -
-        decay) observations while drafting and ages in plain rounds, down to one observation's worth, so
-        a probe after a long pause counts up to half."""
-        age = 0.5 ** (stale / self.c.stale_half_life) if self.c.stale_half_life else 1.0
-        n = self.c.decay / (1 - self.c.decay) * age
-        return 1.0 / (1.0 + max(n, 1.0))
-
-    def probe_value(self, limit: int, remaining: int) -> float:
-        """Expected seconds a probe saves over `remaining` tokens: the chance it is accepted times what
-        drafting at the estimate it would then leave saves a token."""
-        c1 = self.costs.target(1)
-        if not c1 or remaining <= 0:
-            return 0.0
-        hit = list(self.accept)
-        hit[0] += (1.0 - hit[0]) * self.weight(self._since_probe)
-        k, rate = Controller(self.max_k, self.costs, self.c, self.free_draft, hit).best(limit)
-        if not k or rate is None:
-            return 0.0
-        return self.accept[0] * max(c1 - 1.0 / rate, 0.0) * remaining
-
-    def probe_due(self, behind: int, limit: int = 1, remaining: int = 0) -> bool:
+    def probe_due(self, behind: int) -> bool:
         """After a plain round: not before the wait; then once the plain rounds' `probe_budget` covers the
-        probe's cost now, or what it may save does, or after `max_probe_every` rounds whatever it costs."""
+        probe's cost now, or after `max_probe_every` rounds whatever it costs."""
         if self._since_probe < self._gap:
             return False
         if self._since_probe >= self.c.max_probe_every:
             return True
         cost, c1 = self.probe_cost(behind), self.costs.target(1)
-        return (cost is None or self._since_probe * self.c.probe_budget * c1 >= cost
-                or (self.c.probe_value and self.probe_value(limit, remaining) >= cost))
+        return cost is None or self._since_probe * self.c.probe_budget * c1 >= cost
 
     def wait(self) -> None:
         """A round this kind was not asked (hybrid: a lookup round): one more round since its last probe."""
@@ -318,13 +270,13 @@ class Controller:
                 best_k = 0
         if best_k == 0:
             self._since_probe += 1
-            if self.probe_due(behind, limit, int(remaining * share)):
+            if self.probe_due(behind):
                 self._gap = min(2 * self._since_probe, self.c.max_probe_every)  # twice the wait it just had
-                self._stale, self._since_probe = self._since_probe, 0
+                self._since_probe = 0
                 return 1
             self.rounds_skipped += 1
         else:
-            self._stale, self._gap, self._since_probe = self._since_probe, self.c.probe_every, 0
+            self._gap, self._since_probe = self.c.probe_every, 0
             self._since_widen += 1
             if self.c.widen_every and best_k < limit and self._since_widen >= self.c.widen_every:
                 self._since_widen = 0
@@ -337,12 +289,8 @@ class Controller:
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Positions 1..accepted were accepted, accepted+1 (if proposed) was not."""
-        w = self.weight(self._stale)
-        for i in range(min(proposed, self.max_k)):
-            if i > accepted:
-                break
-            self.accept[i] += ((1.0 if i < accepted else 0.0) - self.accept[i]) * w
-        self._stale = 0
+        for i in range(min(proposed, self.max_k, accepted + 1)):
+            self.accept[i] += ((1.0 if i < accepted else 0.0) - self.accept[i]) * (1.0 - self.c.decay)
 
 
 class Policy(Protocol):
@@ -437,10 +385,8 @@ class Auto(_Base):
         if kind not in self.autos:
             family = "ngram" if kind.startswith("ngram") else "model"
             prior = self.state.acceptance
-            a = self.autos[kind] = Controller(self.max_k, self.costs, self.c, free_draft=family == "ngram",
-                                              accept=list(prior.get(kind) or prior.get(family, [])))
-            if self.c.carry_probes and kind in self.state.probes:
-                a.probe_state = self.state.probes[kind]
+            self.autos[kind] = Controller(self.max_k, self.costs, self.c, free_draft=family == "ngram",
+                                          accept=list(prior.get(kind) or prior.get(family, [])))
         return self.autos[kind]
 
     def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
@@ -503,9 +449,8 @@ class Auto(_Base):
 
     def finish(self, new_tokens: int) -> dict:
         out = super().finish(new_tokens)
-        self.state.probes.update({n: a.probe_state for n, a in self.autos.items()})
         estimates = {n: [round(x, 4) for x in a.accept] for n, a in self.autos.items()}
-        self.state.learn(estimates, self.c.prior_weight)
+        self.state.acceptance.update(estimates)  # where the next request starts
         c1 = self.state.costs.target(1)
         if "measured_speedup" in out:
             out.update(rounds_skipped=sum(a.rounds_skipped for a in self.autos.values()), acceptance_estimate=estimates,
