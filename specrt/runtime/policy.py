@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from specrt.runtime import sampling
-from specrt.runtime.proposers import NOTHING, LookupProposer, ModelProposer, Proposal, Proposer
+from specrt.runtime.proposers import LookupProposer, ModelProposer, Proposal, Proposer
 
 
 @dataclass(frozen=True)
@@ -476,6 +476,3 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
         return Auto(proposers, max_k, state, config)
     return Fixed(int(draft_len), proposers, state, config)
 
-
-__all__ = ["AutoConfig", "Auto", "Calibration", "Controller", "CostModel", "Fixed", "NOTHING", "Policy",
-           "PolicyState", "Round", "build"]
