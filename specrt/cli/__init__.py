@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import click
 
-from specrt.cli import batch, bench, build_engines, check, export, fetch, generate, info, tune
+from specrt.cli import batch, bench, build_engines, check, export, fetch, generate, info, serve, tune
 
 COMMANDS = (export.export, build_engines.build_engines, fetch.fetch, generate.generate, bench.bench, tune.tune,
-            info.info, check.check, batch.batch)
+            info.info, check.check, batch.batch, serve.serve)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

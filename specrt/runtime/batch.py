@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,15 +59,22 @@ from specrt.runtime.policy import Round, build
 from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
+# What a request iterator yields for "none now, ask again next round" (a server's queue being empty):
+# free slots stay free, and `run` returns once no row is left.
+WAIT = object()
 
 
 @dataclass(frozen=True)
 class Request:
-    """One generation: `key` is returned with its result, `prompt` token ids, `cfg` its settings."""
+    """One generation: `key` is returned with its result, `prompt` token ids, `cfg` its settings;
+    `on_text(chunk)` sees its text as rounds emit it, `cancel()` returning True ends it after a round
+    (finish reason "cancelled")."""
 
     key: Any
     prompt: list[int]
     cfg: GenerationConfig
+    on_text: Callable[[str], None] | None = None
+    cancel: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -252,7 +259,7 @@ class BatchDecoder:
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Any, Any]]:
         """Yield (key, Result) for each request, in order of completion. Requests are pulled lazily,
-        one whenever a slot is free."""
+        one whenever a slot is free; an iterator may yield WAIT for "none now"."""
         it = iter(requests)
         rows: list[_Row | None] = [None] * self.B
         for cache in (self.target, self._draft):
@@ -269,6 +276,8 @@ class BatchDecoder:
                             req = next(it, None)
                             if req is None:
                                 exhausted = True
+                                break
+                            if req is WAIT:
                                 break
                             row = self._start(r, req)
                             if row.reason:  # done at its first token
@@ -320,11 +329,15 @@ class BatchDecoder:
         row.out += new
         row.seq += new
         if new:
-            row.stream.feed(new)
+            chunk = row.stream.feed(new)
+            if chunk and row.req.on_text is not None:
+                row.req.on_text(chunk)
             if row.stream.stopped:
                 reason = "stop"
         if reason or len(row.out) >= row.cfg.max_new_tokens:
             row.reason = reason or "length"
+        elif row.req.cancel is not None and row.req.cancel():
+            row.reason = "cancelled"
 
     def _finish(self, r: int, row: _Row):
         from specrt.runtime.pair import Result
@@ -332,7 +345,9 @@ class BatchDecoder:
         self.target.release(r)
         if self._draft is not None:
             self._draft.release(r)
-        row.stream.finish()
+        tail = row.stream.finish()
+        if tail and row.req.on_text is not None:
+            row.req.on_text(tail)
         tokens = row.out
         if row.stream.stopped:
             tokens = tokens[: row.stream.n_tokens]  # tokens accepted past the stop string are not output

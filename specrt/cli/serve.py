@@ -1,0 +1,115 @@
+"""`specrt serve`: an OpenAI-compatible local server over one pair (specrt/server.py, the `serve` extra)."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import BadInput, device_option, draft_len_value, errors, load_pair
+
+
+def _batch_size(ctx, param, value):
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"expected an integer >= 1 or 'auto', got {value!r}")
+    return n
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the pair loads: a port in use is one line, at once."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise BadInput(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError as e:
+        sock.close()
+        why = "in use" if e.errno == 98 else e.strerror
+        raise BadInput(f"cannot listen on {host}:{port}: {why}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+@click.command()
+@click.argument("pair_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback should come with --api-key.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
+@click.option("--api-key", default=None, envvar="SPECRT_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer KEY` on every route but /health.")
+@click.option("--model-name", default=None, help="The model id clients name (default: the pair folder's name).")
+@click.option("--max-queue", type=click.IntRange(1), default=16, show_default=True,
+              help="Requests that may wait; beyond them a request gets HTTP 429 with Retry-After.")
+@click.option("--batch-size", default="auto", show_default=True, callback=_batch_size,
+              help="Rows of the batched decoder that runs requests while more than one waits (1: one at a time; "
+                   "auto: 4, or fewer if their KV caches do not fit).")
+@click.option("--batch-draft-len", type=click.IntRange(0), default=0, show_default=True,
+              help="Draft length of batched rows whose request does not name one (0: on the CPU batching already "
+                   "uses the spare compute drafting would).")
+@click.option("--draft-len", default=None, callback=draft_len_value,
+              help="Default draft length of a request (an integer or 'auto'; default: `specrt tune`'s, else auto).")
+@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
+              help="Default drafter of a request (default: `specrt tune`'s, else hybrid, or ngram without a draft model).")
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
+              help="Largest request body accepted (413 beyond).")
+@device_option
+@errors
+def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_size, batch_draft_len, draft_len,
+          drafter, max_body_bytes):
+    """Serve a pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics) until Ctrl-C or SIGTERM."""
+    try:
+        from specrt.server import ServeSettings, serve as run_server
+    except ImportError as e:
+        raise BadInput(f"specrt serve needs the serve extra ({e.name} is missing): pip install 'specrt[serve]'") from None
+    from specrt.errors import ConfigError
+    from specrt.runtime.serving import Scheduler
+
+    logging.basicConfig(level=logging.INFO, format="specrt serve: %(message)s")
+    if not api_key and not _loopback(host):
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
+    sock = _bind(host, port)
+    with load_pair(pair_dir, device) as pair:
+        sizes = [batch_size] if batch_size != "auto" else [4, 2, 1]
+        for b in sizes:
+            try:
+                scheduler = Scheduler(pair, max_queue=max_queue, batch_size=b, batch_draft_len=batch_draft_len)
+                break
+            except ConfigError as e:
+                if b == sizes[-1]:
+                    raise
+                if batch_size == "auto":
+                    click.echo(f"note: batch size {b} does not fit ({e}); trying {sizes[sizes.index(b) + 1]}", err=True)
+        name = model_name or Path(os.path.abspath(pair_dir)).name
+        settings = ServeSettings(model=name, api_key=api_key or None, max_body_bytes=max_body_bytes,
+                                 draft_len=draft_len, drafter=drafter)
+        bound = sock.getsockname()
+        url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}/v1"
+
+        def ready():
+            click.echo(f"specrt serve: {name} on {url} (batch size {scheduler.batch_size}, queue {max_queue}"
+                       f"{', key required' if api_key else ''})", err=True)
+
+        run_server(pair, scheduler, settings, sock, on_ready=ready)

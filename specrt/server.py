@@ -1,0 +1,486 @@
+"""`specrt serve`: an OpenAI-compatible HTTP server over one pair (FastAPI + uvicorn, the `serve` extra).
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not),
+GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests run through
+runtime/serving.Scheduler; this module only translates between HTTP and it.
+
+Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status that
+fits (400 bad field, 401 key, 404 route or model, 413 body, 429 queue full, 500 anything else: one
+line in the log, never a traceback to the client).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from specrt.config import DRAFTERS, GenerationConfig, SamplingConfig
+from specrt.errors import SpecrtError
+from specrt.runtime.serving import QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("specrt.serve")
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # OpenAI's finish_reason for ours
+# Fields OpenAI defines that change the output and that specrt does not implement, with their no-op value:
+# a request that sets one otherwise gets a 400, not a silently different answer.
+UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "logprobs": None,
+               "top_logprobs": None, "tools": None, "functions": None, "response_format": None,
+               "echo": False, "best_of": 1, "suffix": None, "n": 1}
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error object with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How the server runs: what it is called, who may use it, how big a body may be."""
+
+    model: str  # the id clients pass as "model"
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    draft_len: int | str | None = None  # a request's defaults (None: the pair's, `specrt tune`'s or auto)
+    drafter: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def _field(body: dict, name: str, kinds, default=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise APIError(400, f"'{name}' must be {names.replace('int or float', 'a number')}, got {json.dumps(v)}",
+                       param=name)
+    return v
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise APIError(400, f"{where}: only text content parts are supported", param="messages")
+            parts.append(p["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise APIError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
+
+
+def prompt_ids(pair, body: dict, chat: bool) -> list[int]:
+    """The request's prompt as token ids: chat messages through the pair's chat template, or `prompt`."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+            clean.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]")})
+        text = pair.codec.apply_chat_template(clean)
+        return pair.codec.encode(text)
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # one prompt in a list
+    if isinstance(p, str):
+        if not p:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        return pair.codec.encode(p)
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return pair.encode(p)  # token ids, range-checked
+    if p is None:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a list holding one of them", param="prompt")
+
+
+def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettings | None = None) -> GenerationConfig:
+    """The request's fields as a GenerationConfig; max_tokens is bounded by the room the cache leaves."""
+    for name, noop in UNSUPPORTED.items():
+        if name in body and body[name] is not None and body[name] != noop and body[name] != []:
+            raise APIError(400, f"'{name}' is not supported by specrt (supported: {noop!r} or unset)", param=name)
+    m = pair.manifest
+    room = m.max_len - len(prompt) - m.max_draft_len - 1  # what any draft length leaves
+    if room < 1:
+        raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {m.max_len} tokens "
+                            f"({m.max_draft_len + 1} of them kept for drafting)", param="messages", code="context_length_exceeded")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _field(body, name, (int,))
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name)
+    temperature = float(_field(body, "temperature", (int, float), 1.0))
+    if not 0.0 <= temperature <= 2.0:
+        raise APIError(400, f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    if not 0.0 < top_p <= 1.0:
+        raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _field(body, "top_k", (int,), 0)
+    if top_k < 0:
+        raise APIError(400, f"'top_k' must be >= 0 (0 = off), got {top_k}", param="top_k")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    seed = _field(body, "seed", (int,))
+    if seed is not None and seed < 0:
+        raise APIError(400, f"'seed' must be >= 0, got {seed}", param="seed")
+    draft_len = body.get("draft_len", defaults.draft_len if defaults else None)
+    if draft_len is not None and draft_len != "auto" and (not isinstance(draft_len, int) or isinstance(draft_len, bool)
+                                                          or not 0 <= draft_len <= m.max_draft_len):
+        raise APIError(400, f"'draft_len' must be 'auto' or an integer in 0..{m.max_draft_len}, got {json.dumps(draft_len)}",
+                       param="draft_len")
+    drafter = _field(body, "drafter", (str,), defaults.drafter if defaults else None)
+    if drafter is not None and drafter not in DRAFTERS:
+        raise APIError(400, f"'drafter' must be one of {', '.join(DRAFTERS)}, got {drafter!r}", param="drafter")
+    try:
+        cfg = pair.config(draft_len=draft_len, drafter=drafter, max_new_tokens=min(max_tokens or room, room),
+                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+                          seed=secrets.randbits(31) if seed is None else seed, stop=tuple(stop))
+        from specrt.runtime.pair import check_request
+
+        check_request(m, prompt, cfg)
+    except SpecrtError as e:
+        raise APIError(400, str(e)) from None
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """Prometheus metrics, named as vLLM names its own where one exists (prefix `specrt:`)."""
+
+    def __init__(self, scheduler_ref):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("specrt:request_success", "Requests finished, by finish reason",
+                                ["finished_reason"], registry=r)
+        self.errors = Counter("specrt:request_errors", "Requests refused or failed, by HTTP status", ["status"], registry=r)
+        self.prompt_tokens = Counter("specrt:prompt_tokens", "Prompt tokens read", registry=r)
+        self.generation_tokens = Counter("specrt:generation_tokens", "Tokens generated", registry=r)
+        self.latency = Histogram("specrt:e2e_request_latency_seconds", "Time from queueing to the last token",
+                                 registry=r, buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
+        self.ttft = Histogram("specrt:time_to_first_token_seconds", "Time from the start of a run to its first token",
+                              registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+        self.queue_time = Histogram("specrt:request_queue_time_seconds", "Time waiting in the queue", registry=r,
+                                    buckets=(0.001, 0.01, 0.1, 0.5, 1, 2.5, 5, 10, 20))
+        self.tps = Gauge("specrt:generation_tokens_per_second", "Tokens generated per second over the last 30 s",
+                         registry=r)
+        self.tps.set_function(self._rate)
+        self.running = Gauge("specrt:num_requests_running", "Requests running", registry=r)
+        self.running.set_function(lambda: scheduler_ref().running)
+        self.waiting = Gauge("specrt:num_requests_waiting", "Requests waiting in the queue", registry=r)
+        self.waiting.set_function(lambda: scheduler_ref().waiting)
+        self.drafts = Counter("specrt:spec_decode_num_drafts", "Rounds that verified a draft", registry=r)
+        self.draft_tokens = Counter("specrt:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.accepted = Counter("specrt:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.accepted_at = Counter("specrt:spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted at each draft position", ["position"], registry=r)
+        self.proposed_at = Counter("specrt:spec_decode_num_draft_tokens_per_pos",
+                                   "Draft tokens proposed at each draft position", ["position"], registry=r)
+        self.acceptance = Gauge("specrt:spec_decode_draft_acceptance_rate", "Accepted over proposed draft tokens",
+                                registry=r)
+        self.acceptance.set_function(lambda: self._accepted / self._proposed if self._proposed else 0.0)
+        self._accepted = self._proposed = 0
+        self._recent: list[tuple[float, int]] = []
+
+    def _rate(self) -> float:
+        now = time.monotonic()
+        self._recent = [(t, n) for t, n in self._recent if now - t <= 30.0]
+        return sum(n for _, n in self._recent) / 30.0
+
+    def finished(self, job, res) -> None:
+        st = res.stats
+        self.requests.labels(res.finish_reason).inc()
+        self.prompt_tokens.inc(st.get("prompt_tokens", 0))
+        self.generation_tokens.inc(len(res.tokens))
+        self._recent.append((time.monotonic(), len(res.tokens)))
+        self.latency.observe(time.perf_counter() - job.queued_at)
+        self.queue_time.observe(job.started_at - job.queued_at)
+        if st.get("ttft_s"):
+            self.ttft.observe(st["ttft_s"])
+        self.drafts.inc(sum(n for k, n in st.get("draft_len_hist", {}).items() if int(k) > 0))
+        self.draft_tokens.inc(st.get("proposed", 0))
+        self.accepted.inc(st.get("accepted", 0))
+        self._proposed += st.get("proposed", 0)
+        self._accepted += st.get("accepted", 0)
+        for i, (p, rate) in enumerate(zip(st.get("proposed_per_position", []), st.get("accepted_per_position", []))):
+            self.proposed_at.labels(str(i)).inc(p)
+            self.accepted_at.labels(str(i)).inc(round(p * rate))
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+
+def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSettings) -> FastAPI:
+    app = FastAPI(title="specrt", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    def error_response(e: APIError) -> JSONResponse:
+        metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        log.info("%s %s -> %d: %s", request.method, request.url.path, e.status, e.message)
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(APIError(400, str(e).splitlines()[0]))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.error("%s %s -> 500: %s: %s", request.method, request.url.path, type(e).__name__, e)
+        return error_response(APIError(500, "internal error (see the server's log)", kind="server_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if settings.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+                return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                               code="invalid_api_key"))
+        return await call_next(request)
+
+    async def read_body(request: Request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
+            raise APIError(413, f"the body has {size} bytes; the limit is {settings.max_body_bytes}")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > settings.max_body_bytes:
+                raise APIError(413, f"the body exceeds the limit of {settings.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != settings.model:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {settings.model!r}",
+                           param="model", code="model_not_found", kind="not_found_error")
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": created,
+                                            "owned_by": "specrt"}]}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    async def complete(request: Request, chat: bool):
+        body = await read_body(request)
+        try:
+            prompt = prompt_ids(pair, body, chat)
+        except SpecrtError as e:  # the chat template failed, token ids out of range
+            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        cfg = generation_config(pair, body, prompt, settings)
+        stream = _field(body, "stream", (bool,), False)
+        usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
+        loop, items = asyncio.get_running_loop(), asyncio.Queue()
+        try:
+            job = scheduler.submit(prompt, cfg, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        except QueueFull as e:
+            after = scheduler.retry_after()
+            raise APIError(429, f"server busy: {e}; retry after {after} s", code="rate_limit_exceeded",
+                           kind="rate_limit_error", headers={"Retry-After": str(after)}) from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e), kind="server_error") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        shape = _Shape(rid, settings.model, chat, len(prompt))
+        if stream:
+            return StreamingResponse(_events(job, items, shape, usage_in_stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(items.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return PlainTextResponse("", status_code=499)
+                    continue
+                if isinstance(item, str):
+                    continue
+                if isinstance(item, BaseException):
+                    raise _as_api_error(item)
+                return JSONResponse(shape.whole(item))
+        finally:
+            job.cancel()  # a no-op once it finished; ends it if this handler was cancelled
+
+    return app
+
+
+def _as_api_error(e: BaseException) -> APIError:
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), kind="server_error")
+    if isinstance(e, SpecrtError):
+        return APIError(400, str(e))
+    return APIError(500, "internal error (see the server's log)", kind="server_error")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """OpenAI's response objects for one request."""
+
+    rid: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+
+    def _obj(self, choices: list, stream: bool, **extra) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
+        return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model,
+                "choices": choices, **extra}
+
+    def usage(self, res) -> dict:
+        n = len(res.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def whole(self, res) -> dict:
+        fr = FINISH.get(res.finish_reason, res.finish_reason)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None, "finish_reason": fr}
+                  if self.chat else {"index": 0, "text": res.text, "logprobs": None, "finish_reason": fr})
+        return self._obj([choice], False, usage=self.usage(res), specrt=_stats(res))
+
+    def delta(self, text: str, first: bool = False) -> dict:
+        if self.chat:
+            d = {"role": "assistant", "content": text} if first else {"content": text}
+            return self._obj([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}], True)
+        return self._obj([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}], True)
+
+    def last(self, res, with_usage: bool) -> list[dict]:
+        fr = FINISH.get(res.finish_reason, res.finish_reason)
+        end = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": fr} if self.chat else \
+            {"index": 0, "text": "", "logprobs": None, "finish_reason": fr}
+        out = [self._obj([end], True, specrt=_stats(res))]
+        if with_usage:
+            out.append(self._obj([], True, usage=self.usage(res)))
+        return out
+
+
+def _stats(res) -> dict:
+    st = dict(res.stats)
+    st["finish_reason"] = res.finish_reason
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in st.items()}
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _events(job, items: asyncio.Queue, shape: _Shape, with_usage: bool):
+    """The server-sent events of a streamed request; a client that goes away cancels the job."""
+    try:
+        yield _sse(shape.delta("", first=True))
+        while True:
+            item = await items.get()
+            if isinstance(item, str):
+                yield _sse(shape.delta(item))
+                continue
+            if isinstance(item, BaseException):
+                yield _sse(_as_api_error(item).body())
+            else:
+                for obj in shape.last(item, with_usage):
+                    yield _sse(obj)
+            yield b"data: [DONE]\n\n"
+            return
+    finally:
+        job.cancel()
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+def serve(pair, scheduler: Scheduler, settings: ServeSettings, sock, on_ready=None) -> None:
+    """Serve on the bound socket `sock` until SIGINT/SIGTERM: streams in flight then end with an error
+    event, and the process exits."""
+    import uvicorn
+
+    metrics = Metrics(lambda: scheduler)
+    scheduler.on_finish = metrics.finished
+    app = create_app(pair, scheduler, metrics, settings)
+
+    class Server(uvicorn.Server):
+        closing = None
+
+        def handle_exit(self, sig, frame):
+            # End what runs first, so that open streams close and uvicorn's graceful shutdown can finish;
+            # in a thread, as close() waits for the worker while the event loop must go on sending.
+            if self.closing is None:
+                self.closing = threading.Thread(target=scheduler.close, name="specrt-close", daemon=True)
+                self.closing.start()
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            # A stop that went gracefully is a clean exit (status 0), not a death by the signal re-raised.
+            getattr(self, "_captured_signals", []).clear()
+            log.info("stopped")
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_ready is not None and self.started:
+                on_ready()
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, access_log=False, lifespan="off")
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        scheduler.close(timeout=10)
