@@ -272,15 +272,9 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         log.error("%s %s -> 500: %s: %s", request.method, request.url.path, type(e).__name__, e)
         return error_response(APIError(500, "internal error (see the server's log)", kind="server_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if settings.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-                return error_response(APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                               code="invalid_api_key"))
-        return await call_next(request)
+    if settings.api_key is not None:
+        app.add_middleware(_KeyCheck, key=settings.api_key.encode(), reject=lambda: error_response(
+            APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")))
 
     async def read_body(request: Request) -> dict:
         size = request.headers.get("content-length")
@@ -334,8 +328,13 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         stream = _field(body, "stream", (bool,), False)
         usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(item):  # from the worker thread; a whole response needs no text chunks
+            if stream or not isinstance(item, str):
+                loop.call_soon_threadsafe(items.put_nowait, item)
+
         try:
-            job = scheduler.submit(prompt, cfg, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+            job = scheduler.submit(prompt, cfg, deliver)
         except QueueFull as e:
             after = scheduler.retry_after()
             raise APIError(429, f"server busy: {e}; retry after {after} s", code="rate_limit_exceeded",
@@ -350,13 +349,11 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         try:
             while True:
                 try:
-                    item = await asyncio.wait_for(items.get(), 0.5)
+                    item = await asyncio.wait_for(items.get(), 0.25)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         job.cancel()
                         return PlainTextResponse("", status_code=499)
-                    continue
-                if isinstance(item, str):
                     continue
                 if isinstance(item, BaseException):
                     raise _as_api_error(item)
@@ -365,6 +362,22 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
             job.cancel()  # a no-op once it finished; ends it if this handler was cancelled
 
     return app
+
+
+class _KeyCheck:
+    """Every route but /health needs `Authorization: Bearer KEY`. A plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would hide a client's disconnect from the routes."""
+
+    def __init__(self, app, key: bytes, reject):
+        self.app, self.key, self.reject = app, key, reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                return await self.reject()(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _as_api_error(e: BaseException) -> APIError:

@@ -171,9 +171,11 @@ def test_stream_usage_stats_and_stop(server):
 
 
 def test_sampling_with_a_seed_repeats(server):
+    # with a fixed draft length (auto's choices follow measured costs, and the draws with them)
     c = server.client()
     a, b = (c.completions.create(model="pair-qwen2", prompt="x = [1, 2, 3]", max_tokens=16, temperature=0.9,
-                                 top_p=0.95, seed=7, extra_body={"top_k": 50}).choices[0].text for _ in range(2))
+                                 top_p=0.95, seed=7, extra_body={"top_k": 50, "draft_len": 2}).choices[0].text
+            for _ in range(2))
     assert a == b
 
 
@@ -297,6 +299,12 @@ def test_disconnect_frees_its_slot_and_full_queue_gives_429(long_dir):
         # the cancelled request did not run to its end
         assert m["specrt:generation_tokens_total"] < 1800
         assert s.client().completions.create(model="pair-qwen2-long", prompt="x", max_tokens=4).usage.completion_tokens >= 1
+        # a non-streamed request whose client gives up is cancelled too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url("/v1/completions"), json={"prompt": "def add(a, b):", "max_tokens": 1800, "temperature": 0},
+                       timeout=0.5)
+        wait_for(lambda: s.metrics().get('specrt:request_success_total{finished_reason="cancelled"}', 0) == 2,
+                 what="the abandoned request cancelled")
     finally:
         assert s.stop() == 0
 
@@ -357,3 +365,11 @@ def test_load_loses_nothing_and_does_not_grow(server, qwen_dir):
         sum(v for k, v in before.items() if k.startswith("specrt:request_success_total"))
     assert done == 360
     assert rss1 <= rss0 * 1.05, (rss0, rss1)
+
+
+def test_the_example_client_runs(server):
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "examples" / "client.py"), "--base-url", server.base, "--max-tokens", "8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tokens/target pass" in r.stderr and r.stdout
