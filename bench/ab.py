@@ -40,6 +40,7 @@ import specrt
 from specrt.config import GenerationConfig
 from specrt.runtime.bench import read_prompts
 from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
+from specrt.runtime.proposers import History
 
 
 class FrozenCosts(CostModel):
@@ -181,8 +182,10 @@ def main(argv=None) -> dict:
     meter = Meter(pair, a.table)
     print("priced pass times (ms) by width", {n: dict(zip(Meter.WIDTHS, (round(x * 1e3, 2) for x in t)))
                                                for n, t in meter.table.items() if n != "pattern"}, flush=True)
-    # each variant learns from nothing but its own requests (the pair's tuned acceptance is not used)
-    state = {v: PolicyState(costs=meter.costs() if a.frozen else copy.deepcopy(pair.state.costs)) for v in variants}
+    # each variant learns from nothing but its own requests (the pair's tuned acceptance is not used),
+    # and keeps its own history of outputs (the suffix proposer's), from the first prompt on
+    state = {v: PolicyState(costs=meter.costs() if a.frozen else copy.deepcopy(pair.state.costs), history=History())
+             for v in variants}
     res = {v: {} for v in variants}
 
     def run(v, p, n):
@@ -191,8 +194,11 @@ def main(argv=None) -> dict:
 
     for v in variants:
         run(v, plist[0], a.max_new_tokens // 2)
+        state[v].history.clear()  # the warm-up's output must not draft the first prompt's
     names = list(variants)
     for r in range(a.repeats):
+        for v in names:  # a repeat must not draft a prompt from its own earlier output
+            state[v].history.clear()
         for i, p in enumerate(plist):
             shift = (r * len(plist) + i) % len(names)
             for v in names[shift:] + names[:shift]:

@@ -21,7 +21,7 @@ KV_LAYOUT = "seq,batch,kv_heads,head_dim"
 LEAN_KV_LAYOUT = "batch,kv_heads,seq,head_dim"
 
 
-DRAFTERS = ("model", "ngram", "hybrid")
+DRAFTERS = ("model", "ngram", "suffix", "hybrid")
 
 
 def _is_int(v) -> bool:
@@ -62,7 +62,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
     stop: tuple[str, ...] = ()
-    drafter: str = "model"  # model | ngram (prompt lookup, no draft model) | hybrid
+    drafter: str = "model"  # model | ngram (prompt lookup) | suffix (lookup + earlier outputs) | hybrid
     ngram_max: int = 16  # longest suffix the prompt-lookup drafter matches (longer matches rank as equal)
     confidence_stop: float = 0.0  # a model draft stops early once its top probability falls below this
     # The most tokens a draft model's catch-up pass reads; further behind, it starts over from the last

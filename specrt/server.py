@@ -11,6 +11,7 @@ line in the log, never a traceback to the client).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -210,11 +211,12 @@ class Metrics:
                                 registry=r)
         self.acceptance.set_function(lambda: self._accepted / self._proposed if self._proposed else 0.0)
         self._accepted = self._proposed = 0
-        self._recent: list[tuple[float, int]] = []
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (when, tokens) of finished requests
 
     def _rate(self) -> float:
         now = time.monotonic()
-        self._recent = [(t, n) for t, n in self._recent if now - t <= 30.0]
+        while self._recent and now - self._recent[0][0] > 30.0:
+            self._recent.popleft()
         return sum(n for _, n in self._recent) / 30.0
 
     def finished(self, job, res) -> None:
@@ -223,6 +225,7 @@ class Metrics:
         self.prompt_tokens.inc(st.get("prompt_tokens", 0))
         self.generation_tokens.inc(len(res.tokens))
         self._recent.append((time.monotonic(), len(res.tokens)))
+        self._rate()  # drops what is older than the window, scraped or not
         self.latency.observe(time.perf_counter() - job.queued_at)
         self.queue_time.observe(job.started_at - job.queued_at)
         if st.get("ttft_s"):

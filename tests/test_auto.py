@@ -175,16 +175,14 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair, monkeypatch):
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
     assert res.tokens == base
     est = res.stats["acceptance_estimate"]
-    ngram_kinds = set(est) - {"hybrid-model"}
-    assert "hybrid-model" in est and ngram_kinds and ngram_kinds <= {"ngram1", "ngram2", "ngram3", "ngram8"}
+    ngram_kinds = set(est) - {"model"}
+    assert "model" in est and ngram_kinds and ngram_kinds <= {"ngram1", "ngram2", "ngram3", "ngram8"}
     assert all(len(v) == qwen_pair.manifest.max_draft_len for v in est.values())
     learned = qwen_pair.state.acceptance
     assert all(learned[kind] == pytest.approx(v, abs=1e-4) for kind, v in est.items())  # first seen: as learned
     after = qwen_pair.generate(prompt, max_new_tokens=16, draft_len="auto", drafter="ngram").stats
     assert set(after["acceptance_estimate"]) <= {"ngram1", "ngram2", "ngram3", "ngram8"}
-    assert qwen_pair.state.acceptance["hybrid-model"] == pytest.approx(est["hybrid-model"], abs=1e-4)
-    # the model drafter on its own keeps its own state: hybrid's model rounds (where no n-gram matched) do not move it
-    assert "model" not in est
+    assert qwen_pair.state.acceptance["model"] == pytest.approx(est["model"], abs=1e-4)
 
 
 def test_the_next_request_starts_from_what_the_last_one_learned(qwen_pair, monkeypatch):
@@ -443,9 +441,9 @@ def test_hybrid_charges_the_model_its_catch_up(laps, model_rounds):
     V = 16
     cfg = GenerationConfig(max_new_tokens=40, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
     prompt = list(range(3, 13)) * laps + [3, 4]
-    proposers = [LookupProposer(), ModelProposer(_Cycle(V), V, kind="hybrid-model")]  # hybrid
+    proposers = [LookupProposer(), ModelProposer(_Cycle(V), V)]  # hybrid
     costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.2}, draft_read_s=0.05)
-    state = PolicyState(costs=costs, acceptance={"ngram": [0.7] * 8, "hybrid-model": [0.99] * 8})
+    state = PolicyState(costs=costs, acceptance={"ngram": [0.7] * 8, "model": [0.99] * 8})
     out, _, stats = decode(_Cycle(V), Auto(proposers, 8, state), prompt, cfg, V, frozenset())
     assert out == [3 + (t - 3) % 10 for t in range(5, 45)]
     assert min(stats.rounds_by_drafter.get("model", 0), 1) == model_rounds, stats.rounds_by_drafter
@@ -454,16 +452,15 @@ def test_hybrid_charges_the_model_its_catch_up(laps, model_rounds):
 def test_a_draft_that_must_read_the_prompt_first_drafts_only_if_that_pays():
     """At the start of a request the draft model has not read the prompt. Drafting then costs a
     catch-up pass over it (here 200 tokens at 2 ms: 0.4 s), worth paying only if drafting saves that
-    much over the tokens left: 100 tokens at ~9 ms saved each do, 20 do not, nor do 100 of which
-    hybrid's model may expect to draft a quarter (n-gram proposals serve the rest). A caught-up draft
+    much over the tokens left: 100 tokens at ~9 ms saved each do, 20 do not. A caught-up draft
     drafts whatever is left."""
     costs = FrozenCosts(draft_s=0.010, target_s={1: 0.030, 2: 0.034, 9: 0.060}, draft_read_s=0.002)
 
-    def k(behind, remaining, share=1.0):
-        return Controller(8, costs, accept=[0.9] * 8).choose(8, behind, remaining, share)
+    def k(behind, remaining):
+        return Controller(8, costs, accept=[0.9] * 8).choose(8, behind, remaining)
 
-    assert k(200, 100) > 0 and k(200, 20) == 0 and k(200, 100, share=0.25) == 0 and k(200, 100, share=0.75) > 0
-    assert k(2, 20) > 0 and k(2, 5, share=0.25) > 0
+    assert k(200, 100) > 0 and k(200, 20) == 0
+    assert k(2, 20) > 0 and k(2, 5) > 0
 
 
 class _Wrong(_Cycle):

@@ -51,7 +51,7 @@ def test_ngram_prefers_the_longest_match_over_the_first():
 
 def test_hybrid_uses_ngram_proposals_only_after_a_two_token_match():
     """After a 1-token match an n-gram proposal is right too rarely to pay: hybrid asks the model."""
-    lookup, model = LookupProposer(max_ngram=3), ModelProposer(None, 10, kind="hybrid-model")
+    lookup, model = LookupProposer(max_ngram=3), ModelProposer(None, 10)
     hy = Fixed(3, [lookup, model])  # hybrid at a fixed draft length
     assert hy.plan([4, 8, 1, 2, 4], 3, 10) == (model, 3)  # only [4] matched
     assert hy.plan([1, 2, 3, 4, 1, 2], 3, 10) == (lookup, 3)  # [1, 2] matched, [3, 4, 1] proposed
@@ -276,7 +276,7 @@ def test_ngram_drafter_is_lossless(temperature, top_k, top_p, k):
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [(1.0, 0, 1.0, 3)])
 def test_hybrid_drafter_is_lossless(temperature, top_k, top_p, k):
     def make(target, V):
-        return [LookupProposer(2), ModelProposer(FakeEngine(1, V, max_len=32, like=target), V, kind="hybrid-model")]
+        return [LookupProposer(2), ModelProposer(FakeEngine(1, V, max_len=32, like=target), V)]
 
     _lossless(make, temperature, top_k, top_p, k)
 
@@ -286,7 +286,7 @@ def test_a_skipping_hybrid_is_lossless(temperature, top_k, top_p, k):
     made = []
 
     def make(target, V):  # its model reads 1 token of whatever n-gram rounds emitted
-        made.append(ModelProposer(FakeEngine(1, V, max_len=32, like=target), V, window=4, kind="hybrid-model", skip=1))
+        made.append(ModelProposer(FakeEngine(1, V, max_len=32, like=target), V, window=4, skip=1))
         return [LookupProposer(2), made[-1]]
 
     _lossless(make, temperature, top_k, top_p, k)

@@ -55,7 +55,7 @@ from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime import sampling
 from specrt.runtime.decode import Stats, emit
-from specrt.runtime.policy import Round, build
+from specrt.runtime.policy import PolicyState, Round, build
 from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
@@ -313,10 +313,11 @@ class BatchDecoder:
         row.stats.target_passes += 1
         row.stats.ttft_s = time.perf_counter() - row.start
 
-        def model(kind: str, skip: int | None) -> ModelProposer:  # no window in a batch, so no skip
-            return ModelProposer(self.draft.e.row(r), self.vocab, self.pair.draft_ids, kind=kind)
+        def model(skip: int | None) -> ModelProposer:  # no window in a batch, so no skip
+            return ModelProposer(self.draft.e.row(r), self.vocab, self.pair.draft_ids)
 
-        row.policy = build(k, cfg.drafter, self.pair.manifest.max_draft_len, model=model, ngram_max=cfg.ngram_max,
+        state = PolicyState(history=self.pair.state.history)  # a fixed policy learns nothing else to keep
+        row.policy = build(k, cfg.drafter, self.pair.manifest.max_draft_len, state, model=model, ngram_max=cfg.ngram_max,
                            config=self.pair.auto_config)
         row.policy.start(prompt)  # a model proposer reads the prompt in its first draft pass, as alone
         self.totals.requests += 1
@@ -351,6 +352,8 @@ class BatchDecoder:
         tokens = row.out
         if row.stream.stopped:
             tokens = tokens[: row.stream.n_tokens]  # tokens accepted past the stop string are not output
+        if self.pair.state.history is not None:
+            self.pair.state.history.add(tokens)  # later rows draft from it (the suffix proposer)
         st = row.stats
         st.new_tokens = len(tokens)
         st.wall_s = time.perf_counter() - row.start

@@ -29,7 +29,8 @@ class Stats:
     accepted: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
-    rounds_by_drafter: dict[str, int] = field(default_factory=dict)
+    rounds_by_drafter: dict[str, int] = field(default_factory=dict)  # rounds that drafted, by proposer name
+    accepted_by_drafter: dict[str, int] = field(default_factory=dict)  # draft tokens accepted, by proposer name
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # rounds per draft length actually used
     rounds_skipped: int = 0  # auto: rounds the guard ran without drafting
     predicted_speedup: float = 0.0  # auto/fixed: E(tokens)/cost from the cost model, vs one target pass a token
@@ -46,7 +47,9 @@ class Stats:
         self.target_passes += 1
         self.draft_passes += r.proposal.passes
         if r.planned:
-            self.rounds_by_drafter[r.proposer.name] = self.rounds_by_drafter.get(r.proposer.name, 0) + 1
+            name = r.proposer.name
+            self.rounds_by_drafter[name] = self.rounds_by_drafter.get(name, 0) + 1
+            self.accepted_by_drafter[name] = self.accepted_by_drafter.get(name, 0) + r.accepted
         self.draft_len_hist[r.k] = self.draft_len_hist.get(r.k, 0) + 1
         self.proposed += r.k
         self.accepted += r.accepted

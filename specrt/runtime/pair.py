@@ -24,7 +24,7 @@ import numpy as np
 
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
 from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
-from specrt.runtime.proposers import DraftMemory
+from specrt.runtime.proposers import HISTORY_CAP, DraftMemory, History
 from specrt.errors import ConfigError, PairError
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
@@ -101,7 +101,8 @@ class Pair:
     """
 
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
-                 check_memory: bool = True, device: str = "auto"):
+                 check_memory: bool = True, device: str = "auto", history: bool = True,
+                 history_cap: int = HISTORY_CAP):
         from specrt.runtime import memory
         from specrt.runtime.text import TextCodec
 
@@ -146,7 +147,7 @@ class Pair:
         self.tuned = (m.tuned or {}) if use_tuned else {}
         self.auto_config = AutoConfig()  # the draft-length policy's settings (runtime/policy.py)
         # what requests learn (pass costs, acceptance, calibration), carried between them
-        self.state = PolicyState()
+        self.state = PolicyState(history=History(history_cap) if history else None)
         if self.tuned.get("acceptance"):
             kind = "ngram" if self.tuned.get("drafter") == "ngram" else "model"
             self.state.acceptance[kind] = list(self.tuned["acceptance"])
@@ -330,6 +331,8 @@ class Pair:
 
         tokens, reason, stats = decode(self.target, self.policy(cfg), prompt, cfg, m.vocab_size,
                                        frozenset(m.eos_token_ids), on_tokens)
+        if self.state.history is not None:
+            self.state.history.add(tokens)  # what the suffix proposer drafts from in later requests
         tail = stream.finish()
         if tail and on_text is not None:
             on_text(tail)
@@ -349,10 +352,10 @@ class Pair:
 
         window = (default_window(self.device) if cfg.draft_window is None else cfg.draft_window) or None
 
-        def model(kind: str, skip: int | None) -> ModelProposer:
+        def model(skip: int | None) -> ModelProposer:
             skip = min(skip, window) if skip and window else None  # an unwindowed draft reads what it missed
             return ModelProposer(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, window,
-                                 kind=kind, skip=skip)
+                                 skip=skip)
 
         return build(cfg.draft_len, cfg.drafter, self.manifest.max_draft_len, self.state if state is None else state,
                      model if self.draft is not None else None, cfg.ngram_max,
@@ -547,12 +550,15 @@ def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
 
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
-         check_memory: bool = True, device: str = "auto") -> Pair:
+         check_memory: bool = True, device: str = "auto", history: bool = True, history_cap: int = HISTORY_CAP) -> Pair:
     """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any).
 
     `check_memory=False` skips the memory estimate check (see `Pair`).
     `device`: "auto" (default: TensorRT engines, else CUDA for an fp16 pair, else the CPU; `pair.device`
     says which, `pair.device_note` why a GPU pair stayed on the CPU), "cpu", "cuda" or "tensorrt".
+    `history`: keep the outputs of this Pair's requests (at most `history_cap` tokens, 4 bytes each, the
+    oldest requests dropped first) for the suffix drafter and hybrid to draft from; False: every request
+    drafts only from itself (isolation between users).
     """
     return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned, check_memory=check_memory,
-                device=device)
+                device=device, history=history, history_cap=history_cap)

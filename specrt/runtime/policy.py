@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from specrt.runtime import sampling
-from specrt.runtime.proposers import LookupProposer, ModelProposer, Proposal, Proposer
+from specrt.runtime.proposers import History, LookupProposer, ModelProposer, Proposal, Proposer, SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,9 @@ class AutoConfig:
     shadow: bool = True
     # hybrid: offer a round with a lookup proposal to the model when the model is expected to pay more
     switch: bool = True
-    # hybrid: the model counts on drafting only the share of rounds no lookup proposal served so far
-    share: bool = True
-    # hybrid: the draft model learns its acceptance apart ("hybrid-model"): it drafts the hard places
-    hybrid_model_kind: bool = True
+    # hybrid: the lookup also searches earlier requests' outputs (the suffix proposer), when the pair
+    # keeps a history
+    history: bool = False
     # fixed hybrid: a lookup proposal drafts when at least this long and continuing a match this long
     min_len: int = 2
     min_match: int = 2
@@ -165,6 +164,8 @@ class PolicyState:
     # per kind, conditional acceptance per position, as the last request that drafted it ended
     acceptance: dict[str, list[float]] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
+    # earlier requests' outputs, for the suffix proposer (None: every request starts from none)
+    history: History | None = None
 
 
 @dataclass
@@ -254,10 +255,9 @@ class Controller:
         """A round this kind was not asked (hybrid: a lookup round): one more round since its last probe."""
         self._since_probe += 1
 
-    def choose(self, limit: int, behind: int = 0, remaining: int = 0, share: float = 1.0) -> int:
+    def choose(self, limit: int, behind: int = 0, remaining: int = 0) -> int:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft would read first;
-        `remaining`: tokens the request may still generate; `share`: the part of them this kind may
-        expect to draft for."""
+        `remaining`: tokens the request may still generate."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
@@ -266,7 +266,7 @@ class Controller:
             return best_k
         if self.c.catchup_gate and best_k and behind > 2 and remaining > 0 and not self.free_draft:
             # drafting first needs a catch-up pass: worth it only if drafting saves that much
-            if remaining * share * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
+            if remaining * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
                 best_k = 0
         if best_k == 0:
             self._since_probe += 1
@@ -372,7 +372,6 @@ class Auto(_Base):
         complete = bool(costs.target_s) and (costs.draft_s is not None or self.model is None)
         self.costs = copy.deepcopy(costs) if complete and self.c.snapshot else costs
         self.autos: dict[str, Controller] = {}
-        self.rounds = self.served = 0  # rounds planned; rounds a lookup proposal drafted
         self.predicted_tokens = self.predicted_s = 0.0
         self.calib = self.state.calibration if self.c.calibration and self.model is not None else None
         self._plan: tuple[Proposer | None, Controller | None, bool] = (None, None, False)
@@ -383,14 +382,13 @@ class Auto(_Base):
         if kind == "ngram":
             return None
         if kind not in self.autos:
-            family = "ngram" if kind.startswith("ngram") else "model"
+            family = "ngram" if kind.startswith(("ngram", "suffix")) else "model"
             prior = self.state.acceptance
             self.autos[kind] = Controller(self.max_k, self.costs, self.c, free_draft=family == "ngram",
                                           accept=list(prior.get(kind) or prior.get(family, [])))
         return self.autos[kind]
 
     def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
-        rounds, self.rounds = self.rounds, self.rounds + 1
         self._plan = (None, None, False)
         if limit <= 0:
             return None, 0
@@ -408,15 +406,13 @@ class Auto(_Base):
             rates = [auto.best(limit, switch_s)[1], model_auto.best(limit, catchup_s)[1]]
             if None not in rates and rates[1] > rates[0]:
                 src, auto = self.model, model_auto
-        share = (rounds - self.served + 1) / (rounds + 2) if self.hybrid and self.c.share else 1.0
-        k = auto.choose(limit, src.behind(seq), left, share) if auto else limit
+        k = auto.choose(limit, src.behind(seq), left) if auto else limit
         if self.hybrid and src is self.lookup:
             if k == 0:  # the lookup proposal does not pay: maybe the model's
                 src, auto = self.model, model_auto
-                k = auto.choose(limit, src.behind(seq), left, share)
+                k = auto.choose(limit, src.behind(seq), left)
             else:  # a round without the model counts to its next probe
                 model_auto.wait()
-        self.served += bool(k) and src is self.lookup
         self._plan = (src, auto, True)
         return src, k
 
@@ -461,17 +457,20 @@ class Auto(_Base):
 def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | None = None,
           model: Callable[..., ModelProposer] | None = None, ngram_max: int = 16,
           config: AutoConfig = AutoConfig()) -> Fixed | Auto:
-    """The policy for a request: `drafter` "model" | "ngram" | "hybrid"; `model(kind=, skip=)` makes the
-    model proposer (None: the pair has no draft model)."""
+    """The policy for a request: `drafter` "model" | "ngram" | "suffix" | "hybrid"; `model(skip=)`
+    makes the model proposer (None: the pair has no draft model); `state.history` is what the suffix
+    proposer searches besides the request (none: only the request, like prompt lookup)."""
     if draft_len == 0:
         return Fixed(0, (), state, config)
     proposers: list[Proposer] = []
-    if drafter in ("ngram", "hybrid"):
+    history = state.history if state is not None else None
+    if drafter == "suffix" or (drafter == "hybrid" and config.history and history is not None):
+        proposers.append(SuffixProposer(history if history is not None else History(), ngram_max,
+                                        kinds=config.lookup_kinds))
+    elif drafter in ("ngram", "hybrid"):
         proposers.append(LookupProposer(ngram_max, kinds=config.lookup_kinds))
     if drafter in ("model", "hybrid"):
-        hybrid = drafter == "hybrid"
-        proposers.append(model(kind="hybrid-model" if hybrid and config.hybrid_model_kind else "model",
-                               skip=config.skip if hybrid else None))
+        proposers.append(model(skip=config.skip if drafter == "hybrid" else None))
     if draft_len == "auto":
         return Auto(proposers, max_k, state, config)
     return Fixed(int(draft_len), proposers, state, config)

@@ -21,6 +21,7 @@ import numpy as np
 
 from specrt.config import SamplingConfig
 from specrt.engines.base import Engine
+from specrt.errors import ConfigError
 from specrt.runtime import sampling
 
 
@@ -266,3 +267,115 @@ class LookupProposer:
 
     def commit(self, valid: int) -> None:
         pass
+
+
+HISTORY_CAP = 262144  # tokens of earlier outputs a pair keeps by default (1 MB)
+
+
+class History:
+    """The outputs of earlier requests on one pair (a batch job's, a conversation's, a server's), for the
+    suffix proposer: one append-only token buffer, requests separated by -1 (no match crosses one),
+    holding at most `cap` tokens; the oldest requests go first. 4 bytes a token."""
+
+    def __init__(self, cap: int = HISTORY_CAP):
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
+            raise ConfigError(f"the suffix history's cap must be an integer >= 1 (tokens), got {cap!r}")
+        self.cap = int(cap)
+        self.buf = np.empty(0, np.int32)
+        self.requests = 0
+
+    def __len__(self) -> int:
+        return len(self.buf)
+
+    def clear(self) -> None:
+        self.buf, self.requests = np.empty(0, np.int32), 0
+
+    def add(self, tokens) -> None:
+        """One request's output."""
+        t = np.asarray(tokens, np.int32)[-(self.cap - 1):]
+        if not len(t):
+            return
+        buf = np.concatenate([self.buf, t, [-1]]).astype(np.int32, copy=False)
+        if len(buf) > self.cap:  # drop whole requests from the front until it fits (the new one always does)
+            seps = np.flatnonzero(buf == -1)
+            cut = int(seps[np.searchsorted(seps, len(buf) - 1 - self.cap)]) + 1
+            self.requests -= int(np.count_nonzero(buf[:cut] == -1))
+            buf = buf[cut:].copy()
+        self.buf = buf
+        self.requests += 1
+
+
+def longest_suffix(hay: np.ndarray, seq: np.ndarray, max_ngram: int, stop: int | None = None) -> tuple[np.ndarray, int]:
+    """(positions e in hay, n): hay[e-n+1..e] == the last n tokens of seq, n as large as any match allows
+    (at most max_ngram), each e with a next token before `stop` (default: len(hay) - 1). -1 in hay
+    matches nothing."""
+    stop = len(hay) - 1 if stop is None else stop
+    if len(seq) < 1 or stop <= 0:
+        return np.empty(0, np.int64), 0
+    ends = np.flatnonzero(hay[:stop] == seq[-1])
+    if not len(ends):
+        return ends, 0
+    n = 1
+    while n < min(max_ngram, len(seq)):
+        longer = ends[ends >= n]
+        longer = longer[hay[longer - n] == seq[-1 - n]]
+        if not len(longer):
+            break
+        ends, n = longer, n + 1
+    return ends, n
+
+
+def frequent_continuation(hay: np.ndarray, ends: np.ndarray, k: int) -> np.ndarray:
+    """Up to k tokens following the positions `ends` in hay, each the most frequent next token among the
+    occurrences that agree so far (ties: the one seen last); stops at a -1 or the end of hay."""
+    out = []
+    for j in range(1, k + 1):
+        ends = ends[ends + j < len(hay)]
+        nxt = hay[ends + j]
+        keep = nxt >= 0
+        ends, nxt = ends[keep], nxt[keep]
+        if not len(nxt):
+            break
+        values, last, counts = np.unique(nxt[::-1], return_index=True, return_counts=True)
+        best = np.flatnonzero(counts == counts.max())
+        t = values[best[np.argmin(last[best])]]  # the tied token whose latest occurrence is latest
+        out.append(int(t))
+        ends = ends[nxt == t]
+    return np.array(out, np.int64)
+
+
+class SuffixProposer(LookupProposer):
+    """Prompt lookup plus the outputs of earlier requests (SuffixDecoding, Oliaro et al. 2024): the
+    longest suffix of the sequence is matched in the request's own sequence and in the History; a longer
+    match in the history wins, and it proposes the most frequent continuation there (a point mass, so
+    verification stays exact). A match in the request itself proposes what prompt lookup would. Its
+    proposals' kinds are "suffix1".."suffix8" by matched length when they come from the history, the
+    lookup's otherwise, so auto learns (and turns off) each apart."""
+
+    def __init__(self, history: History, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True):
+        super().__init__(max_ngram, min_ngram, kinds)
+        self.history = history
+        self.name = "ngram"  # of the last peek: "suffix" when the history proposed
+
+    def start(self, prompt: list[int]) -> None:
+        super().start(prompt)
+        self.name = "ngram"
+
+    def peek(self, seq: list[int], k: int) -> np.ndarray:
+        own, n_own = self.match(seq, k)
+        arr = np.asarray(seq, np.int64)
+        ends, n = longest_suffix(self.history.buf, arr, self.max_ngram, len(self.history.buf))
+        self._at = (len(seq), k)
+        if n > n_own and n >= self.min_ngram:
+            self.proposal, self.matched, self.name = frequent_continuation(self.history.buf, ends, k), n, "suffix"
+            self.kind = ("suffix8" if n >= 8 else f"suffix{min(n, 3)}") if self.kinds else "suffix-any"
+            if len(self.proposal):
+                return self.proposal
+        self.proposal, self.matched, self.name = own, n_own, "ngram"
+        if not n_own:
+            self.kind = "ngram"
+        elif not self.kinds:
+            self.kind = "ngram-any"
+        else:
+            self.kind = "ngram8" if n_own >= 8 else f"ngram{min(n_own, 3)}"
+        return self.proposal

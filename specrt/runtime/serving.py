@@ -112,9 +112,11 @@ class Scheduler:
         for job in waiting:
             job.deliver(ShuttingDown("the server is shutting down"))
         self._thread.join(timeout)
-        if self._decoder is not None and not self._thread.is_alive():
-            self._decoder.close()
-            self._decoder = None
+        if not self._thread.is_alive():
+            with self._cv:
+                decoder, self._decoder = self._decoder, None
+            if decoder is not None:
+                decoder.close()
 
     # ------------------------------------------------------------------ the worker
 
