@@ -22,6 +22,7 @@ LEAN_KV_LAYOUT = "batch,kv_heads,seq,head_dim"
 
 
 DRAFTERS = ("model", "ngram", "suffix", "hybrid")
+HISTORY_CAP = 262144  # tokens of earlier outputs a pair keeps for the suffix drafter by default (1 MB)
 
 
 def _is_int(v) -> bool:

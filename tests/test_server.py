@@ -249,9 +249,21 @@ def test_max_tokens_beyond_the_cache_is_bounded(server):
 # ---------------------------------------------------------------------------------------------- its own servers
 
 
+def test_requests_share_one_history_of_outputs(server):
+    assert "outputs shared across requests" in server.log[0]  # it says so when it starts
+    c = server.client()
+    body = dict(model="pair-qwen2", prompt="print('hello')", max_tokens=24, temperature=0,
+                extra_body={"drafter": "suffix", "draft_len": 4})
+    first = c.completions.create(**body)
+    again = c.completions.create(**body)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.model_extra["specrt"]["accepted_by_drafter"].get("suffix", 0) > 0  # drafted from the first answer
+
+
 def test_api_key(qwen_dir):
-    s = Server(qwen_dir, "--batch-size", "1", env={"SPECRT_API_KEY": "sekrit"})
+    s = Server(qwen_dir, "--batch-size", "1", "--no-history", env={"SPECRT_API_KEY": "sekrit"})
     try:
+        assert "no history" in s.log[0] and "key required" in s.log[0]
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").models.list()
         r = httpx.get(s.url("/v1/models"))

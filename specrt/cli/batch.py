@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import errors, parse_draft_len
+from specrt.config import HISTORY_CAP
 
 
 def _batch_size(ctx, param, value):
@@ -49,8 +50,11 @@ def _draft_len(ctx, param, value):
               help="Base seed: a record without its own \"seed\" uses one derived from this and its id.")
 @click.option("--draft-len", default=None, callback=_draft_len,
               help="Draft tokens per round, 0 = target only (default: the tuned length if fixed, else 4).")
-@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
-              help="Drafter (default: the tuned one, else model, or ngram for a pair without a draft model).")
+@click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,
+              help="Drafter (default: the tuned one, else model, or ngram for a pair without a draft model); suffix: "
+                   "prompt lookup over the record and the outputs of the records before it.")
+@click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
+              help="Most tokens of earlier outputs the suffix drafter keeps (4 bytes each; the oldest go first).")
 @click.option("--chat/--no-chat", default=False, show_default=True,
               help='Wrap each text "prompt" in the tokenizer\'s chat template ("messages" always are).')
 @click.option("--overwrite", is_flag=True, help="Replace an output that belongs to another job (or to no job).")
@@ -68,7 +72,7 @@ def _draft_len(ctx, param, value):
                    "(Ray actors run on the CPU).")
 @errors
 def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-          drafter, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress, device):
+          drafter, history_cap, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress, device):
     """Run a JSONL file of prompts through batched speculative decoding into a JSONL file of results.
 
     Output lines are appended atomically and fsync'ed; a killed job resumes when rerun with the same
@@ -81,4 +85,4 @@ def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, tempera
                            seed=seed, draft_len=draft_len, drafter=drafter, chat=chat)
     run_job(pair_dir, input_path, output_path, settings, batch_size=batch_size, overwrite=overwrite,
             ray_address=ray_address, ray_actors=ray_actors, ray_cpus_per_actor=ray_cpus_per_actor,
-            progress=progress, device=device)
+            progress=progress, device=device, history_cap=history_cap)

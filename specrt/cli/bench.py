@@ -22,7 +22,7 @@ from specrt.cli.common import batch_size_list, device_option, draft_len_list, er
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median reported).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--drafters", default=None,
-              help="Comma-separated drafters to compare: model, ngram, hybrid (default: the pair's default drafter).")
+              help="Comma-separated drafters to compare: model, ngram, suffix, hybrid (default: the pair's default drafter).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--batch-sizes", default=None, callback=batch_size_list,
               help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "

@@ -23,8 +23,9 @@ from specrt.cli.common import device_option, draft_len_value, errors, load_pair
                    "and costs). Default: what `specrt tune` chose for this pair, else auto.")
 @click.option("--confidence-stop", type=float, default=None,
               help="Stop a model draft early once its top probability falls below this (0 = never; default: tuned or 0).")
-@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
+@click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,
               help="model: the pair's draft model; ngram: prompt lookup, no draft model (default without one); "
+                   "suffix: prompt lookup over the request and the outputs of earlier requests of the loaded pair; "
                    "hybrid: each round the policy chooses between the two (default with a draft model). "
                    "Default: what `specrt tune` chose, if anything.")
 @click.option("--draft-window", type=int, default=None,

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import BadInput, device_option, draft_len_value, errors, load_pair
+from specrt.config import HISTORY_CAP
 
 
 def _batch_size(ctx, param, value):
@@ -70,14 +71,19 @@ def _bind(host: str, port: int) -> socket.socket:
                    "uses the spare compute drafting would).")
 @click.option("--draft-len", default=None, callback=draft_len_value,
               help="Default draft length of a request (an integer or 'auto'; default: `specrt tune`'s, else auto).")
-@click.option("--drafter", type=click.Choice(["model", "ngram", "hybrid"]), default=None,
+@click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,
               help="Default drafter of a request (default: `specrt tune`'s, else hybrid, or ngram without a draft model).")
+@click.option("--history/--no-history", default=True, show_default=True,
+              help="Keep the outputs of all requests for the suffix drafter to draft from (one history for every "
+                   "client); --no-history: each request drafts only from itself.")
+@click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
+              help="Most tokens of earlier outputs kept (4 bytes each; the oldest requests go first).")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
               help="Largest request body accepted (413 beyond).")
 @device_option
 @errors
 def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_size, batch_draft_len, draft_len,
-          drafter, max_body_bytes):
+          drafter, history, history_cap, max_body_bytes):
     """Serve a pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) until Ctrl-C or SIGTERM."""
     try:
@@ -90,8 +96,10 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
     logging.basicConfig(level=logging.INFO, format="specrt serve: %(message)s")
     if not api_key and not _loopback(host):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
+    if history_cap < 1:
+        raise BadInput(f"--history-cap must be >= 1 (tokens), got {history_cap}")
     sock = _bind(host, port)
-    with load_pair(pair_dir, device) as pair:
+    with load_pair(pair_dir, device, history=history, history_cap=history_cap) as pair:
         sizes = [batch_size] if batch_size != "auto" else [4, 2, 1]
         for b in sizes:
             try:
@@ -109,7 +117,8 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
         url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}/v1"
 
         def ready():
-            click.echo(f"specrt serve: {name} on {url} (batch size {scheduler.batch_size}, queue {max_queue}"
+            shared = f"outputs shared across requests for drafting, up to {history_cap} tokens" if history else "no history"
+            click.echo(f"specrt serve: {name} on {url} (batch size {scheduler.batch_size}, queue {max_queue}, {shared}"
                        f"{', key required' if api_key else ''})", err=True)
 
         run_server(pair, scheduler, settings, sock, on_ready=ready)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
+from specrt.runtime.proposers import History
 
 
 @dataclass(frozen=True)
@@ -82,17 +83,19 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
         pair.run(prompts[0].ids, cfg)
     runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
     order = list(cfgs.items())
-    for r in range(repeats):
-        for i, p in enumerate(prompts):
-            # What the draft's cache would hold if this prompt followed the previous one: their shared
-            # prefix (a chat template's system part); the runs of this prompt itself must not help.
-            shared = len(os.path.commonprefix([prompts[i - 1].ids, p.ids])) if len(prompts) > 1 else 0
-            shift = (r * len(prompts) + i) % len(order)
-            for s, cfg in order[shift:] + order[:shift]:
-                pair.draft_memory.keep(shared)
-                runs[s].append((r, p, pair.run(p.ids, cfg).stats))
-                if progress:
-                    progress()
+    # Each setting drafts from the outputs of its own earlier requests of the repeat (the suffix
+    # proposer's history), as a job running only that setting would: never from another setting's run of
+    # the same prompt, nor from an earlier repeat's.
+    own = pair.state.history
+    histories = {s: History(own.cap) if own is not None else None for s in settings}
+    try:
+        for r in range(repeats):
+            for h in histories.values():
+                if h is not None:
+                    h.clear()
+            _repeat(pair, prompts, order, runs, histories, r, progress)
+    finally:
+        pair.state.history = own
     rows = [{"drafter": s[0], "confidence_stop": s[2], **_summarize(s[1], runs[s], repeats)} for s in settings]
     base = next((row for row in rows if row["draft_len"] == 0), None)
     for row in rows:
@@ -108,6 +111,21 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
         "prompts": len(prompts), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rows": rows,
     }
+
+
+def _repeat(pair, prompts, order, runs, histories, r, progress) -> None:
+    """One repeat: every prompt under every setting, the settings' order rotated per prompt."""
+    for i, p in enumerate(prompts):
+        # What the draft's cache would hold if this prompt followed the previous one: their shared
+        # prefix (a chat template's system part); the runs of this prompt itself must not help.
+        shared = len(os.path.commonprefix([prompts[i - 1].ids, p.ids])) if len(prompts) > 1 else 0
+        shift = (r * len(prompts) + i) % len(order)
+        for s, cfg in order[shift:] + order[:shift]:
+            pair.draft_memory.keep(shared)
+            pair.state.history = histories[s]
+            runs[s].append((r, p, pair.run(p.ids, cfg).stats))
+            if progress:
+                progress()
 
 
 _RUN_KEYS = ("new_tokens", "wall_s", "ttft_s", "draft_len_hist", "rounds_skipped", "rounds_by_drafter",
@@ -193,6 +211,8 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
             for k, b in settings:
                 dec = decoders[b]
                 dec.totals = type(dec.totals)(batch_size=b)
+                if pair.state.history is not None:  # each run drafts only from its own earlier outputs
+                    pair.state.history.clear()
                 t0 = time.perf_counter()
                 results = dict(dec.run([Request(i, p.ids, cfgs[k]) for i, p in enumerate(prompts)]))
                 wall = time.perf_counter() - t0

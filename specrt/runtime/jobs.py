@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specrt.config import GenerationConfig, SamplingConfig, read_manifest, sha256_file
+from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig, read_manifest, sha256_file
 from specrt.errors import ConfigError, SpecrtError
 
 JOB_FORMAT = "specrt-batch-job"
@@ -96,7 +96,7 @@ def resolve_settings(m, s: JobSettings) -> JobSettings:
     if k > m.max_draft_len:
         raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
                           "(set at export with --max-draft-len)")
-    if k and drafter != "ngram" and m.draft is None:
+    if k and drafter in ("model", "hybrid") and m.draft is None:
         raise ConfigError(f"this pair has no draft model, which drafter {drafter!r} needs; "
                           "use drafter 'ngram' or draft_len 0")
     return out
@@ -446,9 +446,10 @@ def _log(msg: str) -> None:
 def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettings(), batch_size: int | str = "auto",
             overwrite: bool = False, ray_address: str | None = None, ray_actors: int | None = None,
             ray_cpus_per_actor: int = 1, ray_init: dict | None = None, progress: bool = True, log=None,
-            threads: int | None = None, device: str = "auto") -> dict:
+            threads: int | None = None, device: str = "auto", history_cap: int = HISTORY_CAP) -> dict:
     """Run (or resume) a batch job. Returns a summary dict. See the module docstring.
-    `device`: where the pair runs ("auto", "cpu", "cuda"; Ray actors run on their CPUs)."""
+    `device`: where the pair runs ("auto", "cpu", "cuda"; Ray actors run on their CPUs).
+    `history_cap`: tokens of earlier records' outputs the suffix drafter keeps (each process its own)."""
     from specrt.runtime.text import TextCodec
 
     log = log or _log
@@ -458,6 +459,9 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         raise ConfigError(f"--ray-cpus-per-actor must be >= 1, got {ray_cpus_per_actor}")
     if ray_actors is not None and ray_actors < 1:
         raise ConfigError(f"--ray-actors must be >= 1, got {ray_actors}")
+    from specrt.runtime.proposers import History
+
+    History(history_cap)  # a bad cap is refused before anything runs
     pair_dir = Path(pair_dir)
     m = read_manifest(pair_dir)
     s = resolve_settings(m, settings)
@@ -480,7 +484,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 
             if device not in ("auto", "cpu", "cuda"):
                 raise ConfigError(f"batched decoding runs on onnxruntime: device auto, cpu or cuda, not {device!r}")
-            pair = load(pair_dir, threads=threads, device=device)
+            pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap)
             for note in pair.notes:
                 log(f"note: {note}")
         elif pending:

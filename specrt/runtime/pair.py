@@ -476,7 +476,7 @@ def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
     if k > m.max_draft_len:
         raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
                           "(set at export with --max-draft-len)")
-    if k and cfg.drafter != "ngram" and m.draft is None:
+    if k and cfg.drafter in ("model", "hybrid") and m.draft is None:
         raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
                           "use drafter 'ngram' or draft_len 0")
     if not prompt:

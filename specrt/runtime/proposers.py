@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specrt.config import SamplingConfig
+from specrt.config import HISTORY_CAP, SamplingConfig
 from specrt.engines.base import Engine
 from specrt.errors import ConfigError
 from specrt.runtime import sampling
@@ -269,9 +269,6 @@ class LookupProposer:
         pass
 
 
-HISTORY_CAP = 262144  # tokens of earlier outputs a pair keeps by default (1 MB)
-
-
 class History:
     """The outputs of earlier requests on one pair (a batch job's, a conversation's, a server's), for the
     suffix proposer: one append-only token buffer, requests separated by -1 (no match crosses one),
@@ -305,14 +302,12 @@ class History:
         self.requests += 1
 
 
-def longest_suffix(hay: np.ndarray, seq: np.ndarray, max_ngram: int, stop: int | None = None) -> tuple[np.ndarray, int]:
-    """(positions e in hay, n): hay[e-n+1..e] == the last n tokens of seq, n as large as any match allows
-    (at most max_ngram), each e with a next token before `stop` (default: len(hay) - 1). -1 in hay
-    matches nothing."""
-    stop = len(hay) - 1 if stop is None else stop
-    if len(seq) < 1 or stop <= 0:
+def longest_suffix(hay: np.ndarray, seq: np.ndarray, max_ngram: int) -> tuple[np.ndarray, int]:
+    """(positions e in hay, n): hay[e-n+1..e] == the last n tokens of seq, with n as large as any match
+    allows (at most max_ngram), each e followed by a token (not -1, not the end). -1 matches nothing."""
+    if len(seq) < 1 or len(hay) < 2:
         return np.empty(0, np.int64), 0
-    ends = np.flatnonzero(hay[:stop] == seq[-1])
+    ends = np.flatnonzero((hay[:-1] == seq[-1]) & (hay[1:] >= 0))
     if not len(ends):
         return ends, 0
     n = 1
@@ -364,7 +359,7 @@ class SuffixProposer(LookupProposer):
     def peek(self, seq: list[int], k: int) -> np.ndarray:
         own, n_own = self.match(seq, k)
         arr = np.asarray(seq, np.int64)
-        ends, n = longest_suffix(self.history.buf, arr, self.max_ngram, len(self.history.buf))
+        ends, n = longest_suffix(self.history.buf, arr, self.max_ngram)
         self._at = (len(seq), k)
         if n > n_own and n >= self.min_ngram:
             self.proposal, self.matched, self.name = frequent_continuation(self.history.buf, ends, k), n, "suffix"
