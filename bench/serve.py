@@ -8,8 +8,11 @@
    back to back in alternating order. tokens/s through the server = completion tokens over the time from
    sending the request to its last chunk; in process = new tokens over Pair.run's wall time. Prints the
    median of the per-request ratios.
-2. Concurrency: the prompts once by one client in turn, then by `--clients` clients at once; aggregate
-   tokens/s = all completion tokens over the wall time of the phase.
+2. Concurrency: the prompts `--rounds` times by one client in turn, then by `--clients` clients at once;
+   aggregate tokens/s = all completion tokens over the wall time of the phase.
+
+Both the server (`--no-history`) and the pair in process keep no history of outputs, so a repeat or a
+phase does the same work as the first (with one, a prompt asked again drafts its whole earlier answer).
 """
 import argparse
 import json
@@ -54,21 +57,22 @@ def main():
     ap.add_argument("pair")
     ap.add_argument("--prompts", default="bench/prompts/prompts.jsonl")
     ap.add_argument("--limit", type=int, default=9)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="of the overhead phase (0: skip it)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
     ap.add_argument("serve_flags", nargs="*")
     a = ap.parse_args()
     recs = [json.loads(line) for line in Path(a.prompts).read_text().splitlines() if line.strip()][: a.limit]
     prompts = [r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in recs]  # all as chat
-    proc, base = start_server(a.pair, a.serve_flags)
+    proc, base = start_server(a.pair, ["--no-history", *a.serve_flags])
     model = Path(a.pair).resolve().name
     client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
     out = {"command": " ".join(sys.argv), "overhead": [], "concurrency": {}}
     try:
         streamed(client, model, prompts[0], 8)  # warm-up
-        with specrt.load(a.pair) as pair:
+        with specrt.load(a.pair, history=False) as pair:
             pair.run(pair.encode(pair.codec.apply_chat_template(prompts[0])), pair.config(max_new_tokens=8))
             for rep in range(a.repeats):
                 for i, p in enumerate(prompts):
@@ -88,19 +92,20 @@ def main():
                     print(f"prompt {i} repeat {rep}: server {row['server_tok_s']:.1f} tok/s, local {row['local_tok_s']:.1f}, "
                           f"ratio {row['ratio']:.3f}, same text {row['same_text']}", flush=True)
         ratios = [r["ratio"] for r in out["overhead"]]
-        out["overhead_median_ratio"] = statistics.median(ratios)
+        out["overhead_median_ratio"] = statistics.median(ratios) if ratios else None
         for clients in (1, a.clients):
             t0 = time.perf_counter()
             with ThreadPoolExecutor(clients) as ex:
-                got = list(ex.map(lambda p: streamed(client, model, p, a.max_new_tokens), prompts))
+                got = list(ex.map(lambda p: streamed(client, model, p, a.max_new_tokens), prompts * a.rounds))
             wall = time.perf_counter() - t0
             tokens = sum(n for _, n, _ in got)
             out["concurrency"][clients] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
             print(f"{clients} client(s): {tokens} tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s", flush=True)
         c = out["concurrency"]
         out["concurrency_gain"] = c[a.clients]["tokens_per_s"] / c[1]["tokens_per_s"]
-        print(f"overhead: median server/local tokens/s {out['overhead_median_ratio']:.3f} over {len(ratios)} requests; "
-              f"{a.clients} clients / 1 client aggregate tokens/s {out['concurrency_gain']:.2f}x")
+        if ratios:
+            print(f"overhead: median server/local tokens/s {out['overhead_median_ratio']:.3f} over {len(ratios)} requests")
+        print(f"{a.clients} clients / 1 client aggregate tokens/s {out['concurrency_gain']:.2f}x")
     finally:
         proc.terminate()
         proc.wait(60)

@@ -14,7 +14,7 @@ from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 from specrt.runtime.decode import decode
 from specrt.runtime.policy import Auto, AutoConfig, Calibration, Controller, CostModel, Fixed, PolicyState
-from specrt.runtime.proposers import LookupProposer, ModelProposer
+from specrt.runtime.proposers import History, LookupProposer, ModelProposer
 
 
 def config(**kw) -> AutoConfig:
@@ -170,6 +170,7 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair, monkeypatch):
     the pair carries each drafter's learned acceptance to its next request separately."""
     monkeypatch.setattr(qwen_pair, "auto_config", config(min_match=1))  # the random tiny model rarely repeats 2 tokens
     prompt = list(range(3, 40)) + list(range(3, 20))  # repeats: the n-gram drafter has proposals
+    monkeypatch.setattr(qwen_pair.state, "history", None)  # (with one, the base run's output would draft too)
     base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
     monkeypatch.setattr(qwen_pair.state, "acceptance", {})
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
@@ -211,6 +212,7 @@ def test_hybrid_ngram_rounds_count_toward_the_models_probe(qwen_pair, monkeypatc
     # deterministic choices: n-gram proposals look worth verifying, the model draft costs more than it brings
     monkeypatch.setattr(qwen_pair.state, "costs", FrozenCosts(draft_s=1.5, target_s={1: 1.0, 9: 1.0}))
     monkeypatch.setattr(qwen_pair.state, "acceptance", {"ngram": [0.9] * 8, "model": [0.5] * 8})
+    monkeypatch.setattr(qwen_pair.state, "history", None)  # lookup rounds from the request alone
     prompt = list(range(3, 40)) + list(range(3, 20))
     res = qwen_pair.generate(prompt, max_new_tokens=48, draft_len="auto", drafter="hybrid")
     assert res.stats["rounds_by_drafter"].get("ngram", 0) == len(waits) > 0
@@ -305,6 +307,7 @@ def test_auto_sampling_seed_reproduces_for_the_same_cost_snapshot(qwen_pair, mon
     runs, hists = [], []
     for costs in (cheap_drafts(), cheap_drafts(), dear_drafts()):
         monkeypatch.setattr(qwen_pair.state, "costs", costs)
+        monkeypatch.setattr(qwen_pair.state, "history", History())  # the pair's state includes its history
         res = qwen_pair.generate([40, 41, 42, 43], max_new_tokens=32, draft_len="auto", temperature=1.0, seed=3)
         runs.append(res.tokens)
         hists.append(res.stats["draft_len_hist"])

@@ -61,9 +61,9 @@ class AutoConfig:
     shadow: bool = True
     # hybrid: offer a round with a lookup proposal to the model when the model is expected to pay more
     switch: bool = True
-    # hybrid: the lookup also searches earlier requests' outputs (the suffix proposer), when the pair
-    # keeps a history
-    history: bool = False
+    # hybrid auto: the lookup also searches earlier requests' outputs (the suffix proposer), when the pair
+    # keeps a history (a fixed draft length keeps a request's draws its own: prompt lookup only)
+    history: bool = True
     # fixed hybrid: a lookup proposal drafts when at least this long and continuing a match this long
     min_len: int = 2
     min_match: int = 2
@@ -464,7 +464,7 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
         return Fixed(0, (), state, config)
     proposers: list[Proposer] = []
     history = state.history if state is not None else None
-    if drafter == "suffix" or (drafter == "hybrid" and config.history and history is not None):
+    if drafter == "suffix" or (drafter == "hybrid" and draft_len == "auto" and config.history and history is not None):
         proposers.append(SuffixProposer(history if history is not None else History(), ngram_max,
                                         kinds=config.lookup_kinds))
     elif drafter in ("ngram", "hybrid"):
