@@ -131,7 +131,8 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
     room = m.max_len - len(prompt) - m.max_draft_len - 1  # what any draft length leaves
     if room < 1:
         raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is {m.max_len} tokens "
-                            f"({m.max_draft_len + 1} of them kept for drafting)", param="messages", code="context_length_exceeded")
+                            f"({m.max_draft_len + 1} of them kept for drafting)", param="messages" if "messages" in body else "prompt",
+                       code="context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, name, (int,))
     if max_tokens is not None and max_tokens < 1:

@@ -207,7 +207,7 @@ def test_eight_concurrent_streams_each_get_their_own_text(server, qwen_dir):
     ({"prompt": "x", "drafter": "bogus"}, 400, "drafter"),
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "word " * 400}, 400, "messages"),  # longer than max_len 256
+    ({"prompt": "word " * 400}, 400, "prompt"),  # longer than max_len 256
     ({}, 400, "prompt"),
 ])
 def test_bad_completion_requests(server, body, status, param):

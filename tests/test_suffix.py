@@ -81,6 +81,13 @@ def test_the_history_keeps_at_most_its_cap_dropping_the_oldest_requests():
     assert h.requests == 1 and h.buf.tolist() == list(range(2000 - 499, 2000)) + [-1]
     h.clear()
     assert len(h) == 0 and h.requests == 0
+    tiny = History(1)  # room for nothing but a separator: keeps nothing
+    tiny.add([1, 2, 3])
+    assert len(tiny) == 0 and tiny.requests == 0
+    two = History(2)
+    two.add([1, 2, 3])
+    two.add([4])
+    assert two.buf.tolist() == [4, -1] and two.requests == 1
 
 
 @pytest.mark.parametrize("cap", [0, -5, 1.5, True, "10"])

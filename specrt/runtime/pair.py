@@ -220,8 +220,8 @@ class Pair:
 
     @property
     def default_drafter(self) -> str:
-        """What `specrt tune` chose, else hybrid (with draft_len auto the fastest setting measured on every
-        prompt class, bench/RESULTS.md), or prompt lookup for a pair without a draft model."""
+        """What `specrt tune` chose, else hybrid (with draft_len auto the fastest setting measured overall,
+        bench/RESULTS.md), or prompt lookup for a pair without a draft model."""
         return self.tuned.get("drafter") or ("hybrid" if self.draft is not None else "ngram")
 
     def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:

@@ -289,7 +289,8 @@ class History:
 
     def add(self, tokens) -> None:
         """One request's output."""
-        t = np.asarray(tokens, np.int32)[-(self.cap - 1):]
+        t = np.asarray(tokens, np.int32)
+        t = t[max(0, len(t) - (self.cap - 1)):]  # one slot goes to the separator
         if not len(t):
             return
         buf = np.concatenate([self.buf, t, [-1]]).astype(np.int32, copy=False)
