@@ -178,7 +178,10 @@ class Scheduler:
         with self._cv:
             self.running -= 1
         self.recent_s.append(time.perf_counter() - job.started_at)
-        self.on_finish(job, res)
+        try:
+            self.on_finish(job, res)
+        except Exception as e:  # noqa: BLE001 - counting must never stop the worker
+            log.error("on_finish failed: %s: %s", type(e).__name__, e)
         if res.finish_reason == "cancelled" and self._closing and not job.cancelled.is_set():
             job.deliver(ShuttingDown("the server is shutting down"))
         else:
