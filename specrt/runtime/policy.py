@@ -16,8 +16,9 @@ confidence also predicts what a model draft would have got there (`Calibration`)
 estimate without a probe. Positions past the chosen k are never observed, so now and then it drafts
 one more token than it would, to measure it again.
 
-Everything tunable is one frozen `AutoConfig`; what requests learn (costs, acceptance, calibration) is
-one `PolicyState` that the Pair carries between requests.
+Everything tunable is one frozen `AutoConfig`; what requests learn (costs, acceptance, calibration, and
+the history of outputs the suffix proposer drafts from) is one `PolicyState` that the Pair carries
+between requests.
 """
 from __future__ import annotations
 
