@@ -5,21 +5,8 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import errors, parse_draft_len
+from specrt.cli.common import batch_size_value, errors, parse_draft_len
 from specrt.config import HISTORY_CAP
-
-
-def _batch_size(ctx, param, value):
-    v = str(value).strip().lower()
-    if v == "auto":
-        return "auto"
-    try:
-        b = int(v)
-    except ValueError:
-        b = 0
-    if b < 1:
-        raise click.BadParameter(f"expected an integer >= 1 or 'auto', got {value!r}")
-    return b
 
 
 def _draft_len(ctx, param, value):
@@ -40,7 +27,7 @@ def _draft_len(ctx, param, value):
 @click.option("--output", "output_path", required=True, type=click.Path(path_type=Path),
               help='JSONL of results, one {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"} a '
                    "line. A rerun with the same output resumes where it stopped.")
-@click.option("--batch-size", default="auto", show_default=True, callback=_batch_size,
+@click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
               help="Sequences decoded together, or 'auto': measure 1, 2, 4, 8 on the first records, keep the fastest.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most new tokens per record (a record's own value wins).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy (a record's own value wins).")

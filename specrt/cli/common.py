@@ -78,6 +78,20 @@ def draft_len_list(ctx, param, value):
     return vals
 
 
+def batch_size_value(ctx, param, value):
+    """--batch-size of batch and serve: an integer >= 1 or 'auto'."""
+    v = str(value).strip().lower()
+    if v == "auto":
+        return "auto"
+    try:
+        b = int(v)
+    except ValueError:
+        b = 0
+    if b < 1:
+        raise click.BadParameter(f"expected an integer >= 1 or 'auto', got {value!r}")
+    return b
+
+
 def batch_size_list(ctx, param, value):
     """--batch-sizes of bench: comma-separated integers >= 1."""
     if value is None:

@@ -9,20 +9,8 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import BadInput, device_option, draft_len_value, errors, load_pair
+from specrt.cli.common import BadInput, batch_size_value, device_option, draft_len_value, errors, load_pair
 from specrt.config import HISTORY_CAP
-
-
-def _batch_size(ctx, param, value):
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise click.BadParameter(f"expected an integer >= 1 or 'auto', got {value!r}")
-    return n
 
 
 def _loopback(host: str) -> bool:
@@ -63,7 +51,7 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--model-name", default=None, help="The model id clients name (default: the pair folder's name).")
 @click.option("--max-queue", type=click.IntRange(1), default=16, show_default=True,
               help="Requests that may wait; beyond them a request gets HTTP 429 with Retry-After.")
-@click.option("--batch-size", default="auto", show_default=True, callback=_batch_size,
+@click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
               help="Rows of the batched decoder that runs requests while more than one waits (1: one at a time; "
                    "auto: 4, or fewer if their KV caches do not fit).")
 @click.option("--batch-draft-len", type=click.IntRange(0), default=0, show_default=True,

@@ -228,14 +228,16 @@ class LookupProposer:
     def peek(self, seq: list[int], k: int) -> np.ndarray:
         self.proposal, self.matched = self.match(seq, k)
         self._at = (len(seq), k)
-        n = self.matched
-        if not n:
-            self.kind = "ngram"
-        elif not self.kinds:
-            self.kind = "ngram-any"
-        else:
-            self.kind = "ngram8" if n >= 8 else f"ngram{min(n, 3)}"
+        self.kind = self._kind("ngram", self.matched)
         return self.proposal
+
+    def _kind(self, family: str, n: int) -> str:
+        """The kind of a proposal that continues an n-token match ("ngram" alone: nothing matched)."""
+        if not n:
+            return "ngram"
+        if not self.kinds:
+            return f"{family}-any"
+        return f"{family}8" if n >= 8 else f"{family}{min(n, 3)}"
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
                 confidence_stop: float = 0.0) -> Proposal:
@@ -251,16 +253,7 @@ class LookupProposer:
     def match(self, seq: list[int], k: int) -> tuple[np.ndarray, int]:
         """(up to k proposed tokens, length of the suffix they continue; 0 = no match)."""
         arr = np.asarray(seq, np.int64)
-        if len(arr) < 2:
-            return np.empty(0, np.int64), 0
-        ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier occurrences of the last token (where they end)
-        n = 1
-        while len(ends) and n < self.max_ngram:  # keep the occurrences that also match one token further back
-            longer = ends[ends >= n]
-            longer = longer[arr[longer - n] == arr[-1 - n]]
-            if not len(longer):
-                break
-            ends, n = longer, n + 1
+        ends, n = longest_suffix(arr, arr, self.max_ngram)  # earlier occurrences of the sequence's end
         if not len(ends) or n < self.min_ngram:
             return np.empty(0, np.int64), 0
         return arr[ends[0] + 1: ends[0] + 1 + k].copy(), n
@@ -364,14 +357,9 @@ class SuffixProposer(LookupProposer):
         self._at = (len(seq), k)
         if n > n_own and n >= self.min_ngram:
             self.proposal, self.matched, self.name = frequent_continuation(self.history.buf, ends, k), n, "suffix"
-            self.kind = ("suffix8" if n >= 8 else f"suffix{min(n, 3)}") if self.kinds else "suffix-any"
+            self.kind = self._kind("suffix", n)
             if len(self.proposal):
                 return self.proposal
         self.proposal, self.matched, self.name = own, n_own, "ngram"
-        if not n_own:
-            self.kind = "ngram"
-        elif not self.kinds:
-            self.kind = "ngram-any"
-        else:
-            self.kind = "ngram8" if n_own >= 8 else f"ngram{min(n_own, 3)}"
+        self.kind = self._kind("ngram", n_own)
         return self.proposal
