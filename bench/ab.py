@@ -129,10 +129,10 @@ class Meter:
 
 
 def priced_run(pair, meter: Meter, state: PolicyState, config: AutoConfig, ids: list[int], cfg) -> dict:
-    """One request in a variant's own state and settings with a cleared draft cache; its stats, with
-    "priced_s" the priced seconds of its passes."""
+    """One request in a variant's own state and settings with cleared caches (its prompt read whole); its
+    stats, with "priced_s" the priced seconds of its passes."""
     pair.state, pair.auto_config = state, config
-    pair.draft_memory.forget()
+    pair.forget_caches()
     meter.take()
     stats = pair.run(ids, cfg).stats
     stats["priced_s"] = meter.take()

@@ -11,8 +11,9 @@
 2. Concurrency: the prompts `--rounds` times by one client in turn, then by `--clients` clients at once;
    aggregate tokens/s = all completion tokens over the wall time of the phase.
 
-Both the server (`--no-history`) and the pair in process keep no history of outputs, so a repeat or a
-phase does the same work as the first (with one, a prompt asked again drafts its whole earlier answer).
+Both the server (`--no-history`) and the pair in process keep nothing of one request for another (no
+history of outputs, no prompt prefix), so a repeat or a phase does the same work as the first (with a
+history, a prompt asked again drafts its whole earlier answer).
 """
 import argparse
 import json
@@ -72,7 +73,7 @@ def main():
     out = {"command": " ".join(sys.argv), "overhead": [], "concurrency": {}}
     try:
         streamed(client, model, prompts[0], 8)  # warm-up
-        with specrt.load(a.pair, history=False) as pair:
+        with specrt.load(a.pair, history=False, share_prefix=False) as pair:
             pair.run(pair.encode(pair.codec.apply_chat_template(prompts[0])), pair.config(max_new_tokens=8))
             for rep in range(a.repeats):
                 for i, p in enumerate(prompts):

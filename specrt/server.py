@@ -187,6 +187,8 @@ class Metrics:
                                 ["finished_reason"], registry=r)
         self.errors = Counter("specrt:request_errors", "Requests refused or failed, by HTTP status", ["status"], registry=r)
         self.prompt_tokens = Counter("specrt:prompt_tokens", "Prompt tokens read", registry=r)
+        self.prompt_cached = Counter("specrt:prefix_cache_hits", "Prompt tokens whose cache entries were kept from "
+                                     "an earlier request", registry=r)
         self.generation_tokens = Counter("specrt:generation_tokens", "Tokens generated", registry=r)
         self.latency = Histogram("specrt:e2e_request_latency_seconds", "Time from queueing to the last token",
                                  registry=r, buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
@@ -224,6 +226,7 @@ class Metrics:
         st = res.stats
         self.requests.labels(res.finish_reason).inc()
         self.prompt_tokens.inc(st.get("prompt_tokens", 0))
+        self.prompt_cached.inc(st.get("prompt_cached", 0))
         self.generation_tokens.inc(len(res.tokens))
         self._recent.append((time.monotonic(), len(res.tokens)))
         self._rate()  # drops what is older than the window, scraped or not
@@ -408,7 +411,8 @@ class _Shape:
 
     def usage(self, res) -> dict:
         n = len(res.tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": int(res.stats.get("prompt_cached", 0))}}
 
     def whole(self, res) -> dict:
         fr = FINISH.get(res.finish_reason, res.finish_reason)

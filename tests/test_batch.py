@@ -215,7 +215,7 @@ def test_rows_match_batch_one(request, which):
     rows = Rows(batch_engine(pair.dir, pair.target, m.max_len + 9, 9, B), 9)
     seqs = [[int(t) for t in rng.integers(3, 300, n)] for n in (5, 30, 12)]
     for r, s in enumerate(seqs):
-        first = rows.prefill(r, s)
+        first, _ = rows.prefill(r, s)
         pair.target.truncate(0)
         np.testing.assert_array_equal(first, pair.target.forward(np.array([s]), np.array([len(s) - 1]))[0, 0])
 

@@ -260,10 +260,28 @@ def test_requests_share_one_history_of_outputs(server):
     assert again.model_extra["specrt"]["accepted_by_drafter"].get("suffix", 0) > 0  # drafted from the first answer
 
 
+LONG_SYSTEM = " ".join(f"rule {i}: answer briefly." for i in range(6))  # ~150 tokens of the tiny tokenizer
+
+
+def _chat_twice(server, key="none"):
+    c = server.client(key)
+    msgs = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "and then?"}]
+    return [c.chat.completions.create(model="pair-qwen2", messages=msgs, max_tokens=8, temperature=0)
+            for _ in range(2)]
+
+
+def test_a_shared_prompt_prefix_is_read_once(server):
+    first, again = _chat_twice(server)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64  # whole chunks of the system prompt
+    assert again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert "specrt:prefix_cache_hits_total" in httpx.get(server.url("/metrics")).text
+
+
 def test_api_key(qwen_dir):
     s = Server(qwen_dir, "--batch-size", "1", "--no-history", env={"SPECRT_API_KEY": "sekrit"})
     try:
-        assert "no history" in s.log[0] and "key required" in s.log[0]
+        assert "nothing shared between requests" in s.log[0] and "key required" in s.log[0]
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").models.list()
         r = httpx.get(s.url("/v1/models"))
@@ -271,6 +289,7 @@ def test_api_key(qwen_dir):
         assert httpx.get(s.url("/metrics")).status_code == 401
         assert httpx.get(s.url("/health")).status_code == 200  # a liveness probe needs no key
         assert s.client("sekrit").completions.create(model="pair-qwen2", prompt="x", max_tokens=4).usage.completion_tokens >= 1
+        assert all(r.usage.prompt_tokens_details.cached_tokens == 0 for r in _chat_twice(s, "sekrit"))  # --no-history: nothing kept
     finally:
         assert s.stop() == 0
 

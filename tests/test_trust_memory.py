@@ -29,7 +29,7 @@ def test_estimate_adds_up_from_the_manifest(qwen_dir):
     assert est.logits["target"] == 2 * (m.max_draft_len + 1) * m.target.logits_width * 4
     assert est.logits["draft"] == 2 * 1 * m.draft.logits_width * 4
     tok = int(memory.TOKENIZER_FACTOR * (qwen_dir / "tokenizer.json").stat().st_size)
-    act = sum(memory.activation_bytes(e, 128) for e in (m.target, m.draft))
+    act = sum(memory.activation_bytes(e, memory.PREFILL_CHUNK["cpu"]) for e in (m.target, m.draft))
     assert est.workspace == memory.RUNTIME_BYTES + tok + 2 * memory.SESSION_BYTES + act
     assert est.total == sum(est.weights.values()) + sum(est.kv_cache.values()) + sum(est.logits.values()) + est.workspace
     two = memory.estimate(qwen_dir, m, batch=2)

@@ -63,7 +63,8 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Default drafter of a request (default: `specrt tune`'s, else hybrid, or ngram without a draft model).")
 @click.option("--history/--no-history", default=True, show_default=True,
               help="Keep the outputs of all requests for the suffix drafter to draft from (one history for every "
-                   "client); --no-history: each request drafts only from itself.")
+                   "client), and the prompt prefix a request shares with the previous one in the caches; "
+                   "--no-history: nothing of one request is kept for another (isolation between users).")
 @click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
               help="Most tokens of earlier outputs kept (4 bytes each; the oldest requests go first).")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
@@ -87,7 +88,7 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
     if history_cap < 1:
         raise BadInput(f"--history-cap must be >= 1 (tokens), got {history_cap}")
     sock = _bind(host, port)
-    with load_pair(pair_dir, device, history=history, history_cap=history_cap) as pair:
+    with load_pair(pair_dir, device, history=history, history_cap=history_cap, share_prefix=history) as pair:
         sizes = [batch_size] if batch_size != "auto" else [4, 2, 1]
         for b in sizes:
             try:
@@ -105,7 +106,8 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
         url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}/v1"
 
         def ready():
-            shared = f"outputs shared across requests for drafting, up to {history_cap} tokens" if history else "no history"
+            shared = (f"outputs shared across requests for drafting, up to {history_cap} tokens, and prompt prefixes"
+                      if history else "nothing shared between requests")
             click.echo(f"specrt serve: {name} on {url} (batch size {scheduler.batch_size}, queue {max_queue}, {shared}"
                        f"{', key required' if api_key else ''})", err=True)
 

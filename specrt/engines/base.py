@@ -17,6 +17,9 @@ class Engine(Protocol):
     length: int
     max_len: int
     batch: int
+    # A wider forward runs in passes of this many tokens from its first one (None: one pass). Optional;
+    # what lets a prompt prefix be reused exactly (runtime/prefix.py).
+    prefill_chunk: int | None
 
     def forward(self, tokens: np.ndarray, logit_positions: np.ndarray) -> np.ndarray:
         """tokens [B, S] int64 -> logits [B, N, V] float32 for the N requested positions of S."""

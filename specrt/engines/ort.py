@@ -185,8 +185,9 @@ class _Base:
         `device`: "cpu", or "cuda" (onnxruntime's CUDA provider; caches stay in GPU memory).
         `cuda_graph`: on "cuda", replay each pass shape from a captured CUDA graph (lean graphs), for passes
         of at most `capture_width` tokens a row (wider ones, prefills, run uncaptured).
-        `prefill_chunk` (lean graphs): a wider call runs in chunks of this many tokens a row (same results;
-        the activations' memory, which onnxruntime's arena keeps, is that of a chunk)."""
+        `prefill_chunk` (lean graphs): a wider call runs in passes of this many tokens a row from its first
+        token: the activations' memory, which onnxruntime's arena keeps, is that of a chunk, and a prompt is
+        always read in the same passes (what lets its prefix be reused exactly, runtime/prefix.py)."""
         self.note = None  # why CUDA graphs are off, when they were asked for and refused
         # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
         self.captures = cuda_graph and device == "cuda" and entry.graph == "lean"
@@ -237,6 +238,7 @@ class DeltaEngine(_Base):
         self.shape = (max_len, batch, entry.num_kv_heads, entry.head_dim)
         super().__init__(pair_dir, entry, max_len, max_logits, batch, **kw)
         self.length = 0
+        self.prefill_chunk = None  # a wide call is one pass
 
     def forward(self, tokens: np.ndarray, logit_positions: np.ndarray) -> np.ndarray:
         """Append `tokens` [B, S] to the cache; return logits [B, N, V] (a view, valid until the next call)."""
@@ -280,6 +282,9 @@ class LeanEngine(_Base):
         self.shape = (batch, entry.num_kv_heads, max_len, entry.head_dim)
         super().__init__(pair_dir, entry, max_len, max_logits, batch, **kw)
         self.lengths = np.zeros(batch, np.int64)
+        # per row, the lowest slot a pass has written since someone set it (max_len: none): what lets a
+        # caller keeping slots across requests (runtime/prefix.py) see that other code wrote over them
+        self.lowest_write = np.zeros(batch, np.int64)
         # onnxruntime < 1.32 has no query_seqlens: one call cannot give several rows several tokens each
         self.ragged = "query_seqlens" in entry.inputs
         self._row_bytes = entry.num_kv_heads * max_len * entry.head_dim * self.dtype.itemsize
@@ -297,6 +302,13 @@ class LeanEngine(_Base):
         if length < 0 or (length > self.lengths).any():
             raise ValueError(f"cannot truncate a cache of {self.length} to {length}")
         self.lengths[:] = length
+
+    def reclaim(self, length: int) -> None:
+        """Every row's first `length` slots count again, after a truncate below them: for a caller that knows
+        nothing has written them since (a prompt prefix kept across requests, runtime/prefix.py)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot reclaim {length} slots of {self.max_len}")
+        self.lengths[:] = np.maximum(self.lengths, length)
 
     def set_length(self, row: int, length: int) -> None:
         """Row `row` keeps its first `length` slots (a shorter length: a rollback; 0: the row is free)."""
@@ -322,6 +334,7 @@ class LeanEngine(_Base):
         if B != self.batch:
             raise ValueError(f"{B} rows for an engine of batch {self.batch}")
         self._check(int(self.lengths.max()), S, len(logit_index))  # every row has room for the padded pass
+        np.minimum(self.lowest_write, np.where(counts > 0, self.lengths, self.max_len), out=self.lowest_write)
         if self.prefill_chunk and S > self.prefill_chunk:
             return self._chunked(tokens, counts, logit_index)
         if not self.ragged and B > 1 and S > 1:  # GroupQueryAttention without query_seqlens refuses these
@@ -362,7 +375,7 @@ class LeanEngine(_Base):
         return self._logits[: N * W].reshape(N, W)
 
     def _chunked(self, tokens, counts, logit_index) -> np.ndarray:
-        """A pass wider than `prefill_chunk`, chunk by chunk: the same cache and logits. Measured on the int4
+        """A pass wider than `prefill_chunk`, chunk by chunk. Measured on the int4
         1.5B target, a 1024-token prompt: 8.2 s either way, +445 MB at once and +54 MB in chunks of 128."""
         S, W, c = tokens.shape[1], self.entry.logits_width, self.prefill_chunk
         index = np.asarray(logit_index, np.int64)
@@ -405,6 +418,7 @@ class LeanEngine(_Base):
         view.__dict__.update(self.__dict__)
         view.batch, view.shape = 1, (1, *self.shape[1:])
         view.lengths = self.lengths[r:r + 1]  # a view: the row's length moves in both
+        view.lowest_write = self.lowest_write[r:r + 1]
         view._offset = self._offset + r * self._row_bytes
         view._io, view._graphs, view._rows = self.session.io_binding(), None, {}  # not the captured addresses
         view._logits = np.empty(self._max_logits * self.entry.logits_width, np.float32)

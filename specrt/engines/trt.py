@@ -276,6 +276,8 @@ def _ok(result, what: str):
 class TrtEngine:
     """One model's TensorRT engine. Implements engines.base.Engine (batch 1)."""
 
+    prefill_chunk = None  # its prompt passes follow the engine's profiles, not a fixed chunk: no prefix reuse
+
     def __init__(self, pair_dir, entry: ModelEntry, role: str, manifest: Manifest, max_logits: int, device_id: int = 0):
         trt = require_tensorrt(PairError)
         cudart = self._rt = _cudart()

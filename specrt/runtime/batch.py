@@ -18,9 +18,10 @@ pass appends each row's tokens at that row's length (right-padded to the widest 
 never written), and a row that rejects drafts simply gets a shorter length. The caches are never
 copied or compacted; the C - max_len spare slots are room for a padded pass at a full row.
 
-*Refill.* A new request's prompt is prefilled by a batch-1 pass over its own row of the batch caches
-(`LeanEngine.row`): the pass a lone run makes, with the same inputs, so its first token is the lone
-run's, and nothing else is computed or copied.
+*Refill.* A new request's prompt is prefilled by batch-1 passes over its own row of the batch caches
+(`LeanEngine.row`): the passes a lone run makes, with the same inputs, so its first token is the lone
+run's, and nothing else is computed or copied. A row keeps the whole prompt chunks it shares with the
+previous request it ran (a job's shared instruction), exactly as a lone run keeps them (runtime/prefix.py).
 
 *onnxruntime before 1.32* has no GroupQueryAttention `query_seqlens`: one call then cannot give
 several rows several tokens each, and the engine runs such passes (verifies, catch-ups) one row at a
@@ -56,6 +57,7 @@ from specrt.errors import ConfigError
 from specrt.runtime import sampling
 from specrt.runtime.decode import Stats, emit
 from specrt.runtime.policy import PolicyState, Round, build
+from specrt.runtime.prefix import PromptCache
 from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
@@ -142,20 +144,23 @@ class Rows:
         self.e = engine
         self.max_width = max_width  # widest pass: longer catch-ups go in chunks
         self.passes = 0
+        self.prompts = [PromptCache() for _ in range(engine.batch)]  # what each row's slots keep of its last prompt
 
     def count(self, r: int) -> int:
         """Tokens of row r's sequence in the cache (= the position of its next token)."""
         return int(self.e.lengths[r])
 
-    def prefill(self, r: int, prompt: list[int]) -> np.ndarray:
-        """Row r := `prompt`, read by a batch-1 pass over the row; returns the last position's logits [W]."""
-        row = self.e.row(r)
-        row.truncate(0)
-        return row.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0]
+    def prefill(self, r: int, prompt: list[int]) -> tuple[np.ndarray, int]:
+        """Row r := `prompt`, read by batch-1 passes over the row as a lone run reads it (the whole chunks it
+        shares with the row's previous prompt kept, runtime/prefix.py); returns (the last position's logits
+        [W], the prompt tokens kept)."""
+        return self.prompts[r].read(self.e.row(r), prompt)
 
     def reset(self) -> None:
         """Forget every row (after an interrupted run)."""
         self.e.truncate(0)
+        for p in self.prompts:
+            p.forget()
 
     def release(self, r: int) -> None:
         self.e.set_length(r, 0)
@@ -308,7 +313,10 @@ class BatchDecoder:
         row = _Row(req=req, stream=TextStream(self.pair.codec, cfg.stop), start=time.perf_counter(),
                    rng=np.random.default_rng(cfg.seed), seq=list(prompt),
                    stats=Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt)))
-        x = sampling.pick(self.target.prefill(r, prompt)[: self.vocab], cfg.sampling, row.rng)
+        if not getattr(self.pair, "share_prefix", True):
+            self.target.prompts[r].forget()
+        logits, row.stats.prompt_cached = self.target.prefill(r, prompt)
+        x = sampling.pick(logits[: self.vocab], cfg.sampling, row.rng)
         self.totals.prefills += 1
         row.stats.target_passes += 1
         row.stats.ttft_s = time.perf_counter() - row.start

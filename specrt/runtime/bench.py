@@ -116,12 +116,13 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
 def _repeat(pair, prompts, order, runs, histories, r, progress) -> None:
     """One repeat: every prompt under every setting, the settings' order rotated per prompt."""
     for i, p in enumerate(prompts):
-        # What the draft's cache would hold if this prompt followed the previous one: their shared
-        # prefix (a chat template's system part); the runs of this prompt itself must not help.
+        # What the caches would hold if this prompt followed the previous one: their shared prefix (a
+        # chat template's system part, a job's instruction); the runs of this prompt itself must not help.
         shared = len(os.path.commonprefix([prompts[i - 1].ids, p.ids])) if len(prompts) > 1 else 0
         shift = (r * len(prompts) + i) % len(order)
         for s, cfg in order[shift:] + order[:shift]:
             pair.draft_memory.keep(shared)
+            pair.prompt_cache.keep(shared)
             pair.state.history = histories[s]
             runs[s].append((r, p, pair.run(p.ids, cfg).stats))
             if progress:

@@ -16,6 +16,7 @@ from specrt.config import GenerationConfig
 from specrt.engines.base import Engine
 from specrt.runtime import sampling
 from specrt.runtime.policy import Policy, Round
+from specrt.runtime.prefix import PromptCache
 from specrt.runtime.proposers import NOTHING
 
 
@@ -38,6 +39,7 @@ class Stats:
     acceptance_estimate: dict[str, list[float]] = field(default_factory=dict)  # auto: per drafter, conditional acceptance per position at the end
     new_tokens: int = 0
     prompt_tokens: int = 0
+    prompt_cached: int = 0  # prompt tokens whose target cache entries were kept from an earlier request
     ttft_s: float = 0.0
     wall_s: float = 0.0
 
@@ -79,21 +81,22 @@ def emit(new: list[int], eos_ids: frozenset[int], room: int) -> tuple[list[int],
 
 
 def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationConfig, vocab: int,
-           eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None
-           ) -> tuple[list[int], str, Stats]:
+           eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
+           prompt_cache: PromptCache | None = None) -> tuple[list[int], str, Stats]:
     """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
     `on_tokens(new)` sees each round's emitted tokens (EOS excluded) and returns True to stop. Only the
-    first `vocab` logits are used, which masks padding rows of larger output matrices.
+    first `vocab` logits are used, which masks padding rows of larger output matrices. `prompt_cache`:
+    what the target's cache kept of earlier prompts (runtime/prefix.py; None: the prompt is read whole).
     """
     rng, k = np.random.default_rng(cfg.seed), policy.max_k
     stats = Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k, accepted_at=[0] * k,
                   prompt_tokens=len(prompt))
     start = time.perf_counter()
-    # 1. Prefill: the target reads the prompt; its last position gives the first token.
-    target.truncate(0)
-    logits = target.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, :, :vocab]  # [1, V]
-    new, seq, out = [sampling.pick(logits[0], cfg.sampling, rng)], list(prompt), []
+    # 1. Prefill: the target reads the prompt (but the whole chunks it kept of an earlier one); its last
+    #    position gives the first token.
+    logits, stats.prompt_cached = (prompt_cache or PromptCache()).read(target, prompt)
+    new, seq, out = [sampling.pick(logits[:vocab], cfg.sampling, rng)], list(prompt), []
     stats.target_passes, stats.ttft_s = 1, time.perf_counter() - start
     policy.start(prompt)
     while True:

@@ -51,7 +51,7 @@ MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
 # Prompts are read in chunks of this many tokens: on the CPU as fast as one pass (int4 pair, a 1024-token
 # prompt: target 8.2 vs 8.1 s, draft 2.67 vs 2.50 s) with an eighth of the activations' memory (+445 -> +54 MB,
 # +295 -> +73 MB; bench/RESULTS.md). On a GPU wider passes are cheaper per token: not measured, a larger chunk.
-PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
+PREFILL_CHUNK = {"cpu": 64, "cuda": 512}
 
 
 def _itemsize(entry: ModelEntry) -> int:

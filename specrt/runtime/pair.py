@@ -25,6 +25,7 @@ import numpy as np
 from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
 from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
 from specrt.runtime.proposers import HISTORY_CAP, DraftMemory, History
+from specrt.runtime.prefix import PromptCache
 from specrt.errors import ConfigError, PairError
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
@@ -102,7 +103,7 @@ class Pair:
 
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
                  check_memory: bool = True, device: str = "auto", history: bool = True,
-                 history_cap: int = HISTORY_CAP):
+                 history_cap: int = HISTORY_CAP, share_prefix: bool = True):
         from specrt.runtime import memory
         from specrt.runtime.text import TextCodec
 
@@ -144,6 +145,8 @@ class Pair:
             self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
+        self.prompt_cache = PromptCache()  # and the target's, in whole prompt chunks (exact: runtime/prefix.py)
+        self.share_prefix = share_prefix
         self.tuned = (m.tuned or {}) if use_tuned else {}
         self.auto_config = AutoConfig()  # the draft-length policy's settings (runtime/policy.py)
         # what requests learn (pass costs, acceptance, calibration), carried between them
@@ -271,11 +274,16 @@ class Pair:
         directly (checks, batch runners): a generate or stream meanwhile raises ConfigError, and
         entering while one runs raises ConfigError."""
         self._begin()
-        self.draft_memory.forget()  # the caller may overwrite the draft's cache
+        self.forget_caches()  # the caller may overwrite the caches
         try:
             yield self
         finally:
             self._end()
+
+    def forget_caches(self) -> None:
+        """The next request reads its prompt whole, into both models (for code that wrote their caches)."""
+        self.draft_memory.forget()
+        self.prompt_cache.forget()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -312,6 +320,8 @@ class Pair:
         def cancelled_now() -> bool:
             return self._closing.is_set() or (cancel is not None and bool(cancel()))
 
+        if not self.share_prefix:
+            self.forget_caches()
         if cancelled_now():
             stats = Stats(draft_len=cfg.draft_len, prompt_tokens=len(prompt)).as_dict()
             self.last_result = Result(tokens=[], text="", finish_reason="cancelled", stats=stats)
@@ -330,7 +340,7 @@ class Pair:
             return cancelled
 
         tokens, reason, stats = decode(self.target, self.policy(cfg), prompt, cfg, m.vocab_size,
-                                       frozenset(m.eos_token_ids), on_tokens)
+                                       frozenset(m.eos_token_ids), on_tokens, self.prompt_cache)
         if self.state.history is not None:
             self.state.history.add(tokens)  # what the suffix proposer drafts from in later requests
         tail = stream.finish()
@@ -550,7 +560,8 @@ def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
 
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
-         check_memory: bool = True, device: str = "auto", history: bool = True, history_cap: int = HISTORY_CAP) -> Pair:
+         check_memory: bool = True, device: str = "auto", history: bool = True, history_cap: int = HISTORY_CAP,
+         share_prefix: bool = True) -> Pair:
     """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any).
 
     `check_memory=False` skips the memory estimate check (see `Pair`).
@@ -559,6 +570,9 @@ def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: b
     `history`: keep the outputs of this Pair's requests (at most `history_cap` tokens, 4 bytes each, the
     oldest requests dropped first) for the suffix drafter and hybrid to draft from; False: every request
     drafts only from itself (isolation between users).
+    `share_prefix`: a request keeps, in both models' caches, what its prompt shares with the previous
+    request's (the target's only in whole chunks, so the answer is a fresh read's, runtime/prefix.py);
+    False: every request reads its prompt whole (isolation: its timing then says nothing of the others').
     """
     return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned, check_memory=check_memory,
-                device=device, history=history, history_cap=history_cap)
+                device=device, history=history, history_cap=history_cap, share_prefix=share_prefix)

@@ -37,7 +37,7 @@ def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
             times.append(time.perf_counter() - t)
         return statistics.median(times[1:])
 
-    pair.draft_memory.forget()  # the timing passes overwrite the draft's cache
+    pair.forget_caches()  # the timing passes overwrite the caches
     target_s = {w: timed(pair.target, w, np.arange(w)) for w in range(1, m.max_draft_len + 2)}
     if pair.draft is None:
         return {"draft_s": None, "target_s": target_s, "draft_read_s": None}

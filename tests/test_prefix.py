@@ -1,0 +1,149 @@
+"""The target's prompt prefix kept across requests (runtime/prefix.py): reused only in whole chunks, so a
+request's cache, logits and output are bit for bit those of a fresh read, whatever ran before."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from specrt.config import GenerationConfig, SamplingConfig
+from specrt.runtime.batch import BatchDecoder, Request
+from specrt.runtime.prefix import PromptCache
+
+
+def _prompts(pair, shared: int, tails=(7, 11, 4), seed=0) -> list[list[int]]:
+    """Prompts of `shared` common ids and a tail of their own."""
+    rng = np.random.default_rng(seed)
+    V = pair.manifest.vocab_size
+    head = rng.integers(3, V, shared).tolist()
+    return [head + rng.integers(3, V, n).tolist() for n in tails]
+
+
+def _cache(engine, n: int) -> np.ndarray:
+    """The first n slots of every layer's keys and values (a batch-1 lean engine)."""
+    return np.stack([np.asarray(b)[:, :, :n] for b in (*engine.keys, *engine.values)]).copy()
+
+
+def _passes(engine, monkeypatch) -> list[tuple[int, int]]:
+    """(start position, width) of every pass the engine runs from now on."""
+    log, run = [], engine._run
+
+    def logged(tokens, counts, logit_index):
+        log.append((int(engine.lengths[0]), int(counts[0])))
+        return run(tokens, counts, logit_index)
+
+    monkeypatch.setattr(engine, "_run", logged)
+    return log
+
+
+@pytest.mark.parametrize("which", ["qwen_pair", "int4_default_pair"])
+def test_a_kept_prefix_reads_like_a_fresh_read(request, which, monkeypatch):
+    pair = request.getfixturevalue(which)
+    e, C = pair.target, pair.target.prefill_chunk
+    a, b, _ = _prompts(pair, shared=2 * C + 5)
+    cache = PromptCache()
+    with pair.exclusive():
+        log = _passes(e, monkeypatch)
+        fresh_logits, kept = cache.read(e, b)
+        fresh, fresh_log = (fresh_logits.copy(), _cache(e, len(b))), list(log)
+        assert kept == 0 and cache.tokens == b[:len(b) // C * C]
+        cache.read(e, a)
+        e.forward(np.array([[5, 6, 7]]), np.array([2]))  # decoding past the prompt leaves the kept chunks alone
+        del log[:]
+        logits, kept = cache.read(e, b)
+        assert kept == 2 * C  # the whole chunks shared; the partial third is read again
+        # the passes over what is read again are the fresh read's, from the same positions
+        assert log == fresh_log[-len(log):] and all(start % C == 0 for start, _ in log)
+        np.testing.assert_array_equal(logits, fresh[0])
+        np.testing.assert_array_equal(_cache(e, len(b)), fresh[1])
+
+
+def test_the_hazard_is_real_on_int4(int4_default_pair):
+    """What the chunk rule guards against: on int4 at accuracy level 4 entries written by a pass of another
+    shape round differently, so keeping a prefix cut anywhere would change the answer."""
+    pair = int4_default_pair
+    e = pair.target
+    _, b, _ = _prompts(pair, shared=40)
+    with pair.exclusive():
+        e.truncate(0)
+        whole = e.forward(np.array([b]), np.array([len(b) - 1]))[0, 0].copy()
+        e.truncate(0)
+        e.forward(np.array([b[:33]]), np.array([32]))  # an odd-width pass, then the rest
+        split = e.forward(np.array([b[33:]]), np.array([len(b) - 34]))[0, 0].copy()
+    assert not np.array_equal(whole, split)
+
+
+def test_reusable_bounds():
+    cache = PromptCache()
+    cache.tokens = list(range(100))
+    assert cache.reusable(list(range(100)), 32) == 96  # the same prompt: its last token is read again
+    assert cache.reusable(list(range(64)), 32) == 32
+    assert cache.reusable(list(range(65)), 32) == 64
+    assert cache.reusable(list(range(40)) + [7] * 60, 32) == 32  # diverges at 40
+    assert cache.reusable([1] + list(range(1, 100)), 32) == 0  # differs at once
+    assert cache.reusable(list(range(100)), None) == 0  # an engine that reads a wide call in one pass
+    assert cache.reusable(list(range(20)), 32) == 0
+    cache.keep(50)
+    assert cache.reusable(list(range(100)), 32) == 32
+    cache.forget()
+    assert cache.reusable(list(range(100)), 32) == 0
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=0.9, top_k=20)])
+@pytest.mark.parametrize("draft_len", [0, 3, "auto"])
+def test_output_does_not_depend_on_what_ran_before(int4_default_pair, sampling, draft_len):
+    pair = int4_default_pair
+    C = pair.target.prefill_chunk
+    a, b, c = _prompts(pair, shared=C + 9, seed=1)
+    cfg = GenerationConfig(max_new_tokens=24, draft_len=draft_len, sampling=sampling, seed=3, drafter="model")
+    pair.forget_caches()
+    alone = pair.run(b, cfg)
+    assert alone.stats["prompt_cached"] == 0
+    pair.run(a, cfg)
+    after = pair.run(b, cfg)
+    assert after.stats["prompt_cached"] == C
+    if draft_len != "auto":  # auto's choices follow measured timings; its greedy text cannot change
+        assert after.tokens == alone.tokens
+    elif sampling.greedy:
+        assert after.tokens == alone.tokens
+    other = pair.run(_prompts(pair, shared=C + 9, seed=2)[0], cfg)  # no prefix in common
+    assert other.stats["prompt_cached"] == 0
+    pair.run(c, cfg)
+    assert pair.run(c, cfg).stats["prompt_cached"] == (len(c) - 1) // C * C  # the same prompt again
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_slots_written_by_other_code_are_read_again(qwen_pair, held):
+    """Code that drives the target itself (a check, tuning's timing passes, a test) writes over the slots:
+    the next request reads its prompt whole, whether that code held the pair (`exclusive`) or not."""
+    pair = qwen_pair
+    C = pair.target.prefill_chunk
+    a, _, _ = _prompts(pair, shared=C + 3)
+    cfg = GenerationConfig(max_new_tokens=6, draft_len=0)
+    pair.forget_caches()
+    want = pair.run(a, cfg).tokens
+    with pair.exclusive() if held else contextlib.nullcontext():
+        pair.target.truncate(3)
+        pair.target.forward(np.array([[9, 8, 7]]), np.array([0]))  # over slots 3..5 of the kept chunk
+    res = pair.run(a, cfg)
+    assert res.stats["prompt_cached"] == 0 and res.tokens == want
+    assert pair.run(a, cfg).stats["prompt_cached"] == C
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_batch_rows_keep_their_previous_prompt_exactly(int4_default_pair, B):
+    pair = int4_default_pair
+    C = pair.target.prefill_chunk
+    prompts = _prompts(pair, shared=C + 6, tails=(5, 9, 3, 12, 8), seed=4)
+    cfg = GenerationConfig(max_new_tokens=10, draft_len=2, drafter="model")
+    alone = {}
+    for i, p in enumerate(prompts):
+        pair.forget_caches()
+        alone[i] = pair.run(p, cfg)
+    with BatchDecoder(pair, B) as dec:
+        out = dict(dec.run([Request(i, p, cfg) for i, p in enumerate(prompts)]))
+    for i in range(len(prompts)):
+        assert out[i].tokens == alone[i].tokens
+    cached = [out[i].stats["prompt_cached"] for i in range(len(prompts))]
+    assert cached[:B] == [0] * B and all(n == C for n in cached[B:])  # each row kept its last prompt's chunk
