@@ -180,6 +180,34 @@ def test_suffix_without_a_draft_model_and_bad_caps_on_the_command_line(qwen_dir,
     assert r.exit_code == 0, r.output
 
 
+def test_a_resumed_job_drafts_from_the_outputs_already_written(qwen_dir, tmp_path):
+    """A job killed after 5 of 10 records and rerun starts from the history the uninterrupted run held:
+    its later records draft, accept and (sampled) draw exactly as they did uninterrupted."""
+    from specrt.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": str(i), "prompt": f"def f{i % 2}(x): return x", "temperature": 0.7,
+                                       "seed": i}) + "\n" for i in range(10)))
+    args = ["--drafter", "suffix", "--draft-len", "3", "--batch-size", "1", "--max-new-tokens", "24", "--no-progress"]
+    ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
+    assert CliRunner().invoke(main, ["batch", str(qwen_dir), "--input", str(inp), "--output", str(ref), *args]).exit_code == 0
+    lines = ref.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:5]))
+    (tmp_path / "out.jsonl.job.json").write_bytes((tmp_path / "ref.jsonl.job.json").read_bytes())
+    r = CliRunner().invoke(main, ["batch", str(qwen_dir), "--input", str(inp), "--output", str(out), *args])
+    assert r.exit_code == 0 and "5 of 10 records already" in r.output, r.output
+    want = [json.loads(x) for x in lines[5:]]
+    got = [json.loads(x) for x in out.read_text().splitlines()[5:]]
+    keys = ("rounds_by_drafter", "accepted_by_drafter", "target_passes")
+    assert [(g["id"], g["tokens"], [g["stats"][k] for k in keys]) for g in got] == \
+        [(w["id"], w["tokens"], [w["stats"][k] for k in keys]) for w in want]
+    assert sum(w["stats"]["accepted_by_drafter"].get("suffix", 0) for w in want) > 0
+    # an output whose tokens are not this pair's ids is not drafted from (and still counts as done)
+    out.write_text("".join(lines[:4]) + json.dumps({**json.loads(lines[4]), "tokens": [10 ** 9, "x"]}) + "\n")
+    r = CliRunner().invoke(main, ["batch", str(qwen_dir), "--input", str(inp), "--output", str(out), *args])
+    assert r.exit_code == 0 and len(out.read_text().splitlines()) == 10, r.output
+
+
 def test_bench_gives_each_setting_its_own_history_per_repeat(qwen_pair, monkeypatch):
     from specrt.runtime.bench import Prompt, run_bench
 

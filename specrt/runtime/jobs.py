@@ -12,7 +12,8 @@ Guarantees of the output file:
 - every record is one `os.write` of the whole line (newline included) on an O_APPEND descriptor,
   fsync'ed every few records, every second and at the end;
 - a rerun with the same output skips the ids already in it; a torn last line (a kill mid-write, or
-  the zero-filled tail of a crash) is cut off first;
+  the zero-filled tail of a crash) is cut off first; the history of outputs the suffix drafter drafts
+  from starts from the records already written (their tokens, in file order);
 - `OUTPUT.job.json` records the job's identity (sha256 of the input file, the pair's graphs and
   tokenizer, the settings that change results): an output of another job is refused unless
   `overwrite`. The batch size is not part of it: results do not depend on it.
@@ -26,6 +27,7 @@ order of the input nor on the batch it ran in.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -201,10 +203,15 @@ def job_identity(pair_dir: Path, m, input_sha256: str, s: JobSettings) -> dict:
 class JobOutput:
     """The output file: atomic appends, resume after a kill, and the job-identity sidecar."""
 
-    def __init__(self, path: Path, identity: dict, overwrite: bool = False):
+    def __init__(self, path: Path, identity: dict, overwrite: bool = False, keep_tokens: int = 0, vocab: int = 0):
+        """`keep_tokens`: keep the output tokens of the last records already written, up to about that many
+        (`earlier`, in file order: the history of outputs a resumed job drafts from); tokens that are not
+        ids of a `vocab`-id vocabulary are not kept."""
         self.path = Path(path)
         self.sidecar = Path(str(path) + SIDECAR_SUFFIX)
         self.done: set[str] = set()
+        self.earlier: collections.deque[list[int]] = collections.deque()
+        self._keep, self._vocab, self._kept = keep_tokens, vocab, 0
         self.written = 0
         self.truncated = 0  # bytes of torn tail cut off at open
         self._fd = None
@@ -277,12 +284,23 @@ class JobOutput:
                                "repair or remove it, or use --overwrite")
             else:
                 self.done.add(json.dumps(rec["id"], ensure_ascii=False))
+                self._remember(rec.get("tokens"))
                 good_end = end
             pos = end
         if good_end < len(data):
             self.truncated = len(data) - good_end
             os.ftruncate(self._fd, good_end)
             os.fsync(self._fd)
+
+    def _remember(self, tokens) -> None:
+        if not self._keep or not isinstance(tokens, list) or not tokens:
+            return
+        if not all(type(t) is int and 0 <= t < self._vocab for t in tokens):
+            return  # not what this pair wrote: never drafted from
+        self.earlier.append(tokens)
+        self._kept += len(tokens)
+        while self._kept - len(self.earlier[0]) >= self._keep:  # older ones would be evicted anyway
+            self._kept -= len(self.earlier.popleft())
 
     def write(self, rec: dict) -> None:
         line = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
@@ -449,7 +467,8 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             threads: int | None = None, device: str = "auto", history_cap: int = HISTORY_CAP) -> dict:
     """Run (or resume) a batch job. Returns a summary dict. See the module docstring.
     `device`: where the pair runs ("auto", "cpu", "cuda"; Ray actors run on their CPUs).
-    `history_cap`: tokens of earlier records' outputs the suffix drafter keeps (each process its own)."""
+    `history_cap`: tokens of earlier records' outputs the suffix drafter keeps (each process its own; a resumed
+    local job starts from the outputs already in the file, as the uninterrupted run held them)."""
     from specrt.runtime.text import TextCodec
 
     log = log or _log
@@ -467,7 +486,9 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
     s = resolve_settings(m, settings)
     codec = TextCodec(pair_dir)
     records, digest = read_records(Path(input_path), codec, m, s)
-    out = JobOutput(Path(output_path), job_identity(pair_dir, m, digest, s), overwrite)
+    # a local job resumes drafting from the outputs already written (Ray actors each keep their own)
+    out = JobOutput(Path(output_path), job_identity(pair_dir, m, digest, s), overwrite,
+                    keep_tokens=history_cap if ray_address is None else 0, vocab=m.vocab_size)
     summary = {"records": len(records), "skipped": 0, "errors": 0, "written": 0, "new_tokens": 0, "wall_s": 0.0,
                "batch_size": batch_size, "output": str(output_path)}
     bar = pair = ray = None
@@ -487,6 +508,8 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap)
             for note in pair.notes:
                 log(f"note: {note}")
+            for tokens in out.earlier:  # what an uninterrupted run's history would hold at this point
+                pair.state.history.add(tokens)
         elif pending:
             ray, own_ray = _ray_start(ray_address, ray_init)
         for r in todo:
