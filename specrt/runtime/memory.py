@@ -48,9 +48,11 @@ PACKED_FACTOR = 1.05
 MAPPED_ALLOWANCE = 32 * MB  # page cache of an embedding table's touched rows, per model (measured 8-60 MB)
 ACTIVATION_FACTOR = 2  # activations of a pass: this many gate/up outputs per token (measured at chunks of 128)
 MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
-# Prompts are read in chunks of this many tokens: on the CPU as fast as one pass (int4 pair, a 1024-token
-# prompt: target 8.2 vs 8.1 s, draft 2.67 vs 2.50 s) with an eighth of the activations' memory (+445 -> +54 MB,
-# +295 -> +73 MB; bench/RESULTS.md). On a GPU wider passes are cheaper per token: not measured, a larger chunk.
+# Prompts are read in chunks of this many tokens from position 0, which is also the unit in which a prompt's
+# prefix is kept across requests (runtime/prefix.py). CPU: 64 reads a prompt ~3% slower than 128 (int4 pair,
+# 15 prompts of 46-1642 tokens) and keeps a job's shared instruction (bench/prompts/repetitive.jsonl shares
+# 89 tokens: 64 kept, none at 128); one pass of 1024 tokens would take 8x the activations' memory. On a GPU
+# wider passes are cheaper per token: not measured, a larger chunk.
 PREFILL_CHUNK = {"cpu": 64, "cuda": 512}
 
 
