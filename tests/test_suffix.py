@@ -19,10 +19,11 @@ from specrt.runtime.proposers import History, LookupProposer, SuffixProposer
 from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
 
 
-def brute(docs: list[list[int]], seq: list[int], k: int, max_ngram: int) -> tuple[list[int], int]:
+def brute(docs: list[list[int]], seq: list[int], k: int, max_ngram: int, min_share: float = 0.0) -> tuple[list[int], int]:
     """The definition, by hand: the longest n <= max_ngram such that seq's last n tokens occur in one of
     `docs` followed by a token; then token by token the most frequent next token among the occurrences
-    that agree so far (ties: the one whose last occurrence comes latest)."""
+    that agree so far (ties: the one whose last occurrence comes latest), while it follows at least
+    `min_share` of them."""
     best, occ = 0, []
     for n in range(1, min(max_ngram, len(seq)) + 1):
         here = [(d, e) for d, doc in enumerate(docs) for e in range(n - 1, len(doc) - 1)
@@ -37,6 +38,8 @@ def brute(docs: list[list[int]], seq: list[int], k: int, max_ngram: int) -> tupl
             break
         counts = Counter(t for t, _ in nxt)
         top = max(counts.values())
+        if top < min_share * len(nxt):
+            break
         latest = {t: max(pos for tt, pos in nxt if tt == t) for t in counts if counts[t] == top}
         t = max(latest, key=latest.get)
         out.append(t)
@@ -54,15 +57,29 @@ def test_the_index_finds_what_a_brute_force_search_finds(seed):
         h.add(d)
     seq = r.integers(0, V, int(r.integers(1, 12))).tolist()
     k, max_ngram = int(r.integers(1, 8)), int(r.integers(1, 10))
-    p = SuffixProposer(h, max_ngram=max_ngram)
-    want, n = brute(docs, seq, k, max_ngram)
+    share = [0.0, 0.4, 0.6][seed % 3]
+    p = SuffixProposer(h, max_ngram=max_ngram, min_share=share)
+    want, n = brute(docs, seq, k, max_ngram, share)
     own, n_own = LookupProposer(max_ngram).match(seq, k)
     got = p.peek(seq, k)
-    if n > n_own and want:  # the history's longer match proposes
+    if n > n_own and want:  # the history's longer match proposes (where earlier outputs agree enough)
         assert (got.tolist(), p.matched, p.name) == (want, n, "suffix")
         assert p.kind == ("suffix8" if n >= 8 else f"suffix{min(n, 3)}")
     else:  # else what prompt lookup proposes
         assert (got.tolist(), p.matched, p.name) == (own.tolist(), n_own, "ngram")
+
+
+def test_the_history_drafts_only_where_earlier_outputs_agree_enough():
+    h = History()
+    for d in ([1, 2, 3, 9, 4], [1, 2, 3, 8, 4], [1, 2, 3, 9, 5]):
+        h.add(d)
+    seq = [7, 1, 2, 3]
+    assert SuffixProposer(h, min_share=0.0).peek(seq, 3).tolist() == [9, 5]  # 9 after 2 of 3; then a tie, the latest
+    p = SuffixProposer(h, min_share=0.6)
+    assert p.peek(seq, 3).tolist() == [9] and p.name == "suffix"  # 1 of 2 agree on what follows 9
+    p = SuffixProposer(h, min_share=0.7)
+    assert p.peek(seq, 3).tolist() == [] and p.name == "ngram"  # the request's own lookup (nothing here)
+    assert p.peek([1, 2, 3, 6, 1, 2, 3], 2).tolist() == [6, 1]  # ... which proposes when it has a match
 
 
 def test_the_history_keeps_at_most_its_cap_dropping_the_oldest_requests():

@@ -51,8 +51,8 @@ MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
 # Prompts are read in chunks of this many tokens from position 0, which is also the unit in which a prompt's
 # prefix is kept across requests (runtime/prefix.py). CPU: 64 reads a prompt ~3% slower than 128 (int4 pair,
 # 15 prompts of 46-1642 tokens) and keeps a job's shared instruction (bench/prompts/repetitive.jsonl shares
-# 89 tokens: 64 kept, none at 128); one pass of 1024 tokens would take 8x the activations' memory. On a GPU
-# wider passes are cheaper per token: not measured, a larger chunk.
+# 89 tokens: 64 kept, none at 128); a 1024-token prompt in one pass would take 16x a chunk's activations.
+# On a GPU wider passes are cheaper per token: not measured, a larger chunk.
 PREFILL_CHUNK = {"cpu": 64, "cuda": 512}
 
 

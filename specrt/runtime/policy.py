@@ -65,6 +65,10 @@ class AutoConfig:
     # hybrid auto: the lookup also searches earlier requests' outputs (the suffix proposer), when the pair
     # keeps a history (a fixed draft length keeps a request's draws its own: prompt lookup only)
     history: bool = True
+    # the suffix proposer drafts a token from the history only where at least this share of the matched
+    # earlier occurrences continue with it (where they disagree it stops; at the first token, the request's
+    # own lookup proposes instead); 0: the most frequent continuation wherever it goes
+    suffix_share: float = 0.5
     # fixed hybrid: a lookup proposal drafts when at least this long and continuing a match this long
     min_len: int = 2
     min_match: int = 2
@@ -467,7 +471,7 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
     history = state.history if state is not None else None
     if drafter == "suffix" or (drafter == "hybrid" and draft_len == "auto" and config.history and history is not None):
         proposers.append(SuffixProposer(history if history is not None else History(), ngram_max,
-                                        kinds=config.lookup_kinds))
+                                        kinds=config.lookup_kinds, min_share=config.suffix_share))
     elif drafter in ("ngram", "hybrid"):
         proposers.append(LookupProposer(ngram_max, kinds=config.lookup_kinds))
     if drafter in ("model", "hybrid"):

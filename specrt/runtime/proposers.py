@@ -314,9 +314,10 @@ def longest_suffix(hay: np.ndarray, seq: np.ndarray, max_ngram: int) -> tuple[np
     return ends, n
 
 
-def frequent_continuation(hay: np.ndarray, ends: np.ndarray, k: int) -> np.ndarray:
+def frequent_continuation(hay: np.ndarray, ends: np.ndarray, k: int, min_share: float = 0.0) -> np.ndarray:
     """Up to k tokens following the positions `ends` in hay, each the most frequent next token among the
-    occurrences that agree so far (ties: the one seen last); stops at a -1 or the end of hay."""
+    occurrences that agree so far (ties: the one seen last); stops at a -1, the end of hay, or where that
+    token follows less than `min_share` of those occurrences (where earlier outputs disagree)."""
     out = []
     for j in range(1, k + 1):
         ends = ends[ends + j < len(hay)]
@@ -326,6 +327,8 @@ def frequent_continuation(hay: np.ndarray, ends: np.ndarray, k: int) -> np.ndarr
         if not len(nxt):
             break
         values, last, counts = np.unique(nxt[::-1], return_index=True, return_counts=True)
+        if counts.max() < min_share * len(nxt):
+            break
         best = np.flatnonzero(counts == counts.max())
         t = values[best[np.argmin(last[best])]]  # the tied token whose latest occurrence is latest
         out.append(int(t))
@@ -337,13 +340,14 @@ class SuffixProposer(LookupProposer):
     """Prompt lookup plus the outputs of earlier requests (SuffixDecoding, Oliaro et al. 2024): the
     longest suffix of the sequence is matched in the request's own sequence and in the History; a longer
     match in the history wins, and it proposes the most frequent continuation there (a point mass, so
-    verification stays exact). A match in the request itself proposes what prompt lookup would. Its
+    verification stays exact) while at least `min_share` of the matching occurrences agree on it. A match in the request itself proposes what prompt lookup would. Its
     proposals' kinds are "suffix1".."suffix8" by matched length when they come from the history, the
     lookup's otherwise, so auto learns (and turns off) each apart."""
 
-    def __init__(self, history: History, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True):
+    def __init__(self, history: History, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True,
+                 min_share: float = 0.5):
         super().__init__(max_ngram, min_ngram, kinds)
-        self.history = history
+        self.history, self.min_share = history, min_share
         self.name = "ngram"  # of the last peek: "suffix" when the history proposed
 
     def start(self, prompt: list[int]) -> None:
@@ -356,7 +360,8 @@ class SuffixProposer(LookupProposer):
         ends, n = longest_suffix(self.history.buf, arr, self.max_ngram)
         self._at = (len(seq), k)
         if n > n_own and n >= self.min_ngram:
-            self.proposal, self.matched, self.name = frequent_continuation(self.history.buf, ends, k), n, "suffix"
+            self.proposal = frequent_continuation(self.history.buf, ends, k, self.min_share)
+            self.matched, self.name = n, "suffix"
             self.kind = self._kind("suffix", n)
             if len(self.proposal):
                 return self.proposal
