@@ -10,7 +10,8 @@ widen_every, ...), e.g. `model_auto=draft_len=auto,drafter=model` and
 
 Every prompt runs under every variant back to back (order rotated per prompt), each variant with its
 own PolicyState (costs, acceptance, probe schedules, calibration), as a deployment running only that
-setting would have, and a cleared draft cache; a warm-up request per variant first. Prints per class
+setting would have, and cleared caches (`--keep-prefix`: the prefix it shares with the previous prompt
+kept, as in a job); a warm-up request per variant first. Prints per class
 the median over (prompt, repeat) of each variant's tokens/s ratio to "none" of the same prompt and
 repeat, by wall time and by priced time.
 
@@ -29,6 +30,7 @@ import ast
 import copy
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -128,11 +130,13 @@ class Meter:
         return total
 
 
-def priced_run(pair, meter: Meter, state: PolicyState, config: AutoConfig, ids: list[int], cfg) -> dict:
-    """One request in a variant's own state and settings with cleared caches (its prompt read whole); its
-    stats, with "priced_s" the priced seconds of its passes."""
+def priced_run(pair, meter: Meter, state: PolicyState, config: AutoConfig, ids: list[int], cfg,
+               shared: int = 0) -> dict:
+    """One request in a variant's own state and settings, its caches holding only the first `shared` tokens
+    of its prompt (0: its prompt read whole); its stats, with "priced_s" the priced seconds of its passes."""
     pair.state, pair.auto_config = state, config
-    pair.forget_caches()
+    pair.draft_memory.keep(shared)
+    pair.prompt_cache.keep(shared)
     meter.take()
     stats = pair.run(ids, cfg).stats
     stats["priced_s"] = meter.take()
@@ -166,6 +170,9 @@ def main(argv=None) -> dict:
     ap.add_argument("variants", nargs="+", help="NAME=FIELD=VALUE,FIELD=VALUE")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--frozen", action="store_true", help="plan with the price table too (deterministic greedy runs)")
+    ap.add_argument("--keep-prefix", action="store_true",
+                    help="each prompt keeps in the caches what it shares with the previous prompt, as in a job "
+                         "(default: every prompt read whole)")
     ap.add_argument("--table", type=Path, help="prices: read from FILE, or measured and written there")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--limit", type=int)
@@ -188,9 +195,9 @@ def main(argv=None) -> dict:
              for v in variants}
     res = {v: {} for v in variants}
 
-    def run(v, p, n):
+    def run(v, p, n, shared=0):
         gen, auto = variants[v]
-        return priced_run(pair, meter, state[v], auto, p.ids, pair.config(max_new_tokens=n, **gen))
+        return priced_run(pair, meter, state[v], auto, p.ids, pair.config(max_new_tokens=n, **gen), shared)
 
     for v in variants:
         run(v, plist[0], a.max_new_tokens // 2)
@@ -201,8 +208,10 @@ def main(argv=None) -> dict:
             state[v].history.clear()
         for i, p in enumerate(plist):
             shift = (r * len(plist) + i) % len(names)
+            # --keep-prefix: what the caches would hold had this prompt followed the previous one in a job
+            shared = len(os.path.commonprefix([plist[i - 1].ids, p.ids])) if a.keep_prefix and i else 0
             for v in names[shift:] + names[:shift]:
-                s = run(v, p, a.max_new_tokens)
+                s = run(v, p, a.max_new_tokens, shared)
                 res[v].setdefault(p.id, []).append((s["new_tokens"], s["wall_s"], s["rounds_skipped"], s["draft_len_hist"],
                                                     s["priced_s"], s["rounds_by_drafter"]))
         print("repeat", r, flush=True)
