@@ -165,9 +165,7 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
         cfg = pair.config(draft_len=draft_len, drafter=drafter, max_new_tokens=min(max_tokens or room, room),
                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
                           seed=secrets.randbits(31) if seed is None else seed, stop=tuple(stop))
-        from specrt.runtime.pair import check_request
-
-        check_request(m, prompt, cfg)
+        pair._check_request(prompt, cfg)
     except SpecrtError as e:
         raise APIError(400, str(e)) from None
     return cfg

@@ -380,6 +380,45 @@ def test_int4_manifest_and_graph(request, which, level):
                 assert len(n.input) >= 4 and n.input[3]  # A, B, scales, zero_points: asymmetric by default
 
 
+@pytest.mark.parametrize("which", ["int4_dir", "int4_default_dir"])
+def test_sliced_output_matrix_gives_the_same_logits(request, tmp_path, which):
+    """slice_wide_matmuls (what bounds the load-time peak of the output matrix's prepacking) splits a wide
+    MatMulNBits into slices joined by a Concat: every pass's logits stay bit for bit those of the one op."""
+    import onnx
+
+    from specrt.export.pair import slice_wide_matmuls
+
+    d = request.getfixturevalue(which)
+    m = read_manifest(d)
+    sliced = copy_pair(d, tmp_path / "sliced")
+    rows = 128  # the output matrix in three slices, the last one narrower
+
+    def widths(path):
+        return [onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "N"))
+                for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+
+    before = widths(d / m.target.path)
+    wide = [n for n in before if n > rows]  # the output matrix, and here the tiny layers' gate/up too
+    assert m.target.logits_width in wide
+    assert slice_wide_matmuls(sliced / m.target.path, rows) == len(wide)
+    after = widths(sliced / m.target.path)
+    assert max(after) <= rows and sum(after) == sum(before)
+    assert len(after) == len(before) + sum(-(-n // rows) - 1 for n in wide)
+    a = specrt.load(d, use_tuned=False)
+    b = specrt.load(sliced, verify=False, use_tuned=False)
+    try:
+        ids = np.random.default_rng(0).integers(0, m.vocab_size, size=(1, 30))
+        for lo, hi in ((0, 17), (17, 18), (18, 23), (23, 30)):
+            rows_out = np.arange(max(0, hi - lo - m.max_draft_len - 1), hi - lo)
+            la = np.array(a.target.forward(ids[:, lo:hi], rows_out))
+            lb = np.array(b.target.forward(ids[:, lo:hi], rows_out))
+            assert la.shape == lb.shape == (1, len(rows_out), m.target.logits_width)
+            assert np.array_equal(la, lb)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_quantized_embedding_matches_its_reference(tmp_path):
     """quantize_blocks writes what onnxruntime's GatherBlockQuantized reads: the op returns exactly the
     numpy dequantization, for 4 and 8 bits, close to the table."""

@@ -404,3 +404,16 @@ def test_the_example_client_runs(server):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "tokens/target pass" in r.stderr and r.stdout
+
+
+def test_no_draft_model_serves_prompt_lookup_and_refuses_a_model_drafter(qwen_dir):
+    s = Server(qwen_dir, "--no-draft-model")
+    try:
+        assert "the draft model left out" in "".join(s.log)
+        r = httpx.post(s.url("/v1/completions"), json={"prompt": "x = 1 +", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["specrt"]["accepted_by_drafter"].keys() <= {"ngram", "suffix"}
+        r = httpx.post(s.url("/v1/completions"), json={"prompt": "x = 1 +", "max_tokens": 4, "drafter": "model"})
+        assert r.status_code == 400 and "loaded without its draft model" in r.json()["error"]["message"]
+    finally:
+        assert s.stop() == 0

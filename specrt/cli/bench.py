@@ -50,7 +50,7 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     sampling = SamplingConfig(temperature=temperature)
     with load_pair(pair_dir, device) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
-        default = default_drafter(pair.manifest, pair.tuned) if batch_sizes else pair.default_drafter
+        default = default_drafter(pair.manifest, pair.tuned, pair.draft is not None) if batch_sizes else pair.default_drafter
         names = [d.strip() for d in (drafters or default).split(",") if d.strip()]
         if batch_sizes:
             if len(names) != 1:

@@ -25,7 +25,8 @@ from specrt.cli.common import device_option, draft_len_value, errors, load_pair
               help="Stop a model draft early once its top probability falls below this (0 = never; default: tuned or 0).")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,
               help="model: the pair's draft model; ngram: prompt lookup, no draft model (default without one); "
-                   "suffix: prompt lookup over the request and the outputs of earlier requests of the loaded pair; "
+                   "suffix: prompt lookup over the request and the outputs of earlier requests of the loaded pair "
+                   "(ngram and suffix do not load the draft model); "
                    "hybrid: each round the policy chooses between the two (default with a draft model). "
                    "Default: what `specrt tune` chose, if anything.")
 @click.option("--draft-window", type=int, default=None,
@@ -44,7 +45,9 @@ def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p
     from specrt.config import SamplingConfig
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    with load_pair(pair_dir, device) as pair:
+    # prompt lookup alone (or no drafting) leaves the draft model out: its load time and a fifth of the memory
+    model = draft_len != 0 and drafter in (None, "model", "hybrid")
+    with load_pair(pair_dir, device, draft_model=model) as pair:
         cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
                           drafter=drafter, confidence_stop=confidence_stop, draft_window=draft_window,
                           ngram_max=ngram_max, sampling=sampling)

@@ -78,6 +78,9 @@ def format_info(d: dict) -> str:
                      f"logits {fmt(mem['logits'][role])}")
     lines.append(f"           workspace {fmt(mem['workspace'])} (Python, onnxruntime, the tokenizer, sessions, "
                  f"activations); KV {per / 1024:.1f} KB per token of max_len")
+    if mem.get("without_draft") is not None:
+        lines.append(f"           without the draft model: about {fmt(mem['without_draft'])} (drafters ngram and "
+                     "suffix; `generate --drafter suffix` and `serve --no-draft-model` leave it out)")
     if mem["available"] is None:
         lines.append("           available: unknown (no /proc/meminfo); not checked")
     elif mem["fits"]:
@@ -93,6 +96,8 @@ def format_info(d: dict) -> str:
         verdict = "fits" if b["fits"] else (
             f"DOES NOT FIT (re-export with --max-len {b['max_len_that_fits']})" if b["max_len_that_fits"]
             else "DOES NOT FIT (the weights alone do not fit)")
+        if not b["fits"] and b.get("fits_without_draft"):
+            verdict += "; fits without the draft model (drafters ngram and suffix)"
         lines.append(f"budget:    {b['name']}: {fmt(b['total'])}{kept}, {fmt(b['for_specrt'])} for specrt: {verdict}")
     if plain := [r for r, e in d["models"].items() if e["precision"] == "int4" and not e.get("embedding")]:
         lines.append(f"           the {' and '.join(plain)} embeddings are not quantized (exported by an older specrt): "

@@ -67,12 +67,15 @@ def _bind(host: str, port: int) -> socket.socket:
                    "--no-history: nothing of one request is kept for another (isolation between users).")
 @click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
               help="Most tokens of earlier outputs kept (4 bytes each; the oldest requests go first).")
+@click.option("--draft-model/--no-draft-model", default=True, show_default=True,
+              help="Load the pair's draft model; --no-draft-model: requests draft by prompt lookup only (ngram, "
+                   "suffix), for the memory of the target alone.")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
               help="Largest request body accepted (413 beyond).")
 @device_option
 @errors
 def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_size, batch_draft_len, draft_len,
-          drafter, history, history_cap, max_body_bytes):
+          drafter, history, history_cap, draft_model, max_body_bytes):
     """Serve a pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) until Ctrl-C or SIGTERM."""
     try:
@@ -88,7 +91,10 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
     if history_cap < 1:
         raise BadInput(f"--history-cap must be >= 1 (tokens), got {history_cap}")
     sock = _bind(host, port)
-    with load_pair(pair_dir, device, history=history, history_cap=history_cap, share_prefix=history) as pair:
+    if not draft_model and drafter in ("model", "hybrid"):
+        raise BadInput(f"--drafter {drafter} needs the draft model, which --no-draft-model leaves out")
+    with load_pair(pair_dir, device, history=history, history_cap=history_cap, share_prefix=history,
+                   draft_model=draft_model) as pair:
         sizes = [batch_size] if batch_size != "auto" else [4, 2, 1]
         for b in sizes:
             try:
@@ -108,6 +114,8 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
         def ready():
             shared = (f"outputs shared across requests for drafting, up to {history_cap} tokens, and prompt prefixes"
                       if history else "nothing shared between requests")
+            if pair.draft_left_out:
+                shared += ", the draft model left out"
             click.echo(f"specrt serve: {name} on {url} (batch size {scheduler.batch_size}, queue {max_queue}, {shared}"
                        f"{', key required' if api_key else ''})", err=True)
 

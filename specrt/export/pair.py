@@ -346,6 +346,8 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     quant = embedding = None
     if cfg.precision == "int4":
         quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric)
+        if cfg.dtype == "float32":  # a CPU graph (on a GPU more ops would cost more launches a pass)
+            slice_wide_matmuls(path)
     if cfg.embedding:
         embedding = quantize_embedding(path, cfg.embedding, cfg.embedding_block_size)
     if output_ids is not None:
@@ -407,6 +409,64 @@ def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: b
     _consolidate(path)
     return {"method": "MatMulNBits", "bits": 4, "block_size": block_size, "accuracy_level": accuracy_level,
             "symmetric": symmetric}
+
+
+# onnxruntime reads a MatMulNBits weight from the mapped file while it prepacks it, so loading holds a weight
+# twice for a moment: the output matrix (151936 x 1536 in int4, 117 MB) raised a target-only process's peak
+# by 110 MB above what it holds after loading. Slices of at most this many output rows bound that to ~25 MB;
+# each output column is the same dot product, so the logits are unchanged bit for bit (tests/test_export.py),
+# as long as slices start on the kernels' column tiles (a width of 133 changed them at accuracy level 0).
+SLICE_ROWS = 32768
+
+
+def slice_wide_matmuls(path: Path, rows: int = SLICE_ROWS) -> int:
+    """Split every MatMulNBits with more than `rows` output columns into slices of `rows` joined by a Concat
+    on the last axis. In place; returns how many were split."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    if rows % 64:
+        raise ValueError(f"slices of {rows} rows would not start on the kernels' column tiles: use a multiple of 64")
+    model = onnx.load(str(path))
+    inits = {t.name: t for t in model.graph.initializer}
+    wide = [n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) <= 4
+            and helper.get_attribute_value(next(a for a in n.attribute if a.name == "N")) > rows
+            and all(i in inits for i in n.input[1:] if i)]
+    for node in wide:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        N = attrs["N"]
+        parts = [numpy_helper.to_array(inits[i]) if i else None for i in node.input[1:]]
+        parts = [None if a is None else a.reshape(N, -1) for a in parts]  # per output row: B, scales, zero points
+        outs, at = [], list(model.graph.node).index(node)
+        for j, lo in enumerate(range(0, N, rows)):
+            hi = min(lo + rows, N)
+            names = [node.input[0]]
+            for i, a in zip(node.input[1:], parts):
+                if a is None:
+                    names.append("")
+                    continue
+                init = inits[i]
+                shape = [hi - lo] + list(init.dims[1:]) if len(init.dims) > 1 else [(hi - lo) * a.shape[1]]
+                names.append(f"{i}_rows{lo}")
+                model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(a[lo:hi]).reshape(shape), names[-1]))
+            out = f"{node.output[0]}_rows{lo}"
+            model.graph.node.insert(at + j, helper.make_node("MatMulNBits", names, [out], name=f"{node.name}_rows{lo}",
+                                                             domain=node.domain, **{**attrs, "N": hi - lo}))
+            outs.append(out)
+        model.graph.node.insert(at + len(outs), helper.make_node("Concat", outs, list(node.output), axis=-1,
+                                                                 name=f"{node.name}_concat"))
+        model.graph.node.remove(node)
+        for i in node.input[1:]:
+            if i and i in inits:
+                model.graph.initializer.remove(inits.pop(i))
+    if wide:
+        for p in path.parent.iterdir():
+            if p.name.startswith(path.name):
+                p.unlink()
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    return len(wide)
 
 
 def quantize_blocks(table, bits: int, block_size: int):

@@ -117,18 +117,19 @@ def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
                       capture_width=base.capture_width, prefill_chunk=base.prefill_chunk)
 
 
-def kv_bytes(m, batch: int, cache_len: int) -> int:
-    """Bytes of the batch KV caches of both models (allocated in full when a BatchDecoder is made)."""
+def kv_bytes(m, batch: int, cache_len: int, draft: bool = True) -> int:
+    """Bytes of the batch KV caches of both models (allocated in full when a BatchDecoder is made);
+    `draft=False`: of the target's alone (a pair loaded without its draft model)."""
     return sum(e.num_layers * 2 * cache_len * batch * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
-               for e in (m.target, m.draft) if e is not None)
+               for e in (m.target, m.draft if draft else None) if e is not None)
 
 
-def _check_memory(m, batch: int, cache_len: int, device: str = "cpu") -> None:
+def _check_memory(m, batch: int, cache_len: int, device: str = "cpu", draft: bool = True) -> None:
     """Refuse a batch whose KV caches do not fit in the memory available now (when that is known)."""
     from specrt.runtime.memory import available_bytes, fmt, gpu_free_bytes
 
     avail = gpu_free_bytes() if device == "cuda" else available_bytes()
-    need = kv_bytes(m, batch, cache_len)
+    need = kv_bytes(m, batch, cache_len, draft)
     if avail is not None and need > avail:
         fits = max(0, batch * avail // need)
         where = "GPU memory" if device == "cuda" else "memory"
@@ -243,7 +244,7 @@ class BatchDecoder:
         self.vocab, self.eos = m.vocab_size, frozenset(m.eos_token_ids)
         self.width = m.max_draft_len + 1
         self.cache_len = m.max_len + self.width  # the rotary tables of a lean graph cover this many positions
-        _check_memory(m, batch_size, self.cache_len, getattr(pair.target, "device", "cpu"))
+        _check_memory(m, batch_size, self.cache_len, getattr(pair.target, "device", "cpu"), pair.draft is not None)
         target = batch_engine(pair.dir, pair.target, self.cache_len, self.width, batch_size)
         self.target = Rows(target, self.width)
         self._draft = None  # made on first need: a target-only job allocates no draft cache
@@ -258,7 +259,7 @@ class BatchDecoder:
 
     def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
         """Raise ConfigError for a request this decoder cannot run (see check_request)."""
-        check_request(self.pair.manifest, prompt, cfg)
+        check_request(self.pair.manifest, prompt, cfg, self.pair.draft_left_out)
 
     # ------------------------------------------------------------------ the loop
 
@@ -425,16 +426,16 @@ class BatchDecoder:
         self.close()
 
 
-def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
+def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False) -> None:
     """Raise ConfigError for a request a batch cannot run: the checks of a lone run, plus a fixed
-    draft_len. `m` is the pair's Manifest."""
+    draft_len. `m` is the pair's Manifest; `draft_left_out`: the pair was loaded without its draft model."""
     from specrt.runtime.pair import check_request as check_lone
 
     if cfg.draft_len == "auto":
         raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
     if cfg.draft_window:
         raise ConfigError("batched decoding reads every prompt whole in the draft: draft_window must be 0 or unset")
-    check_lone(m, prompt, cfg)
+    check_lone(m, prompt, cfg, draft_left_out)
 
 
 def default_draft_len(m, tuned: dict | None = None) -> int:
@@ -446,10 +447,14 @@ def default_draft_len(m, tuned: dict | None = None) -> int:
     return min(4, m.max_draft_len)
 
 
-def default_drafter(m, tuned: dict | None = None) -> str:
+def default_drafter(m, tuned: dict | None = None, draft: bool = True) -> str:
     """The drafter a batch uses unless told: the tuned one, else the draft model (batches draft at a fixed
-    length, measured with it), or prompt lookup for a pair without one."""
-    return (tuned or {}).get("drafter") or ("model" if m.draft is not None else "ngram")
+    length, measured with it), or prompt lookup for a pair without one (or loaded without it: `draft`)."""
+    has_draft = draft and m.draft is not None
+    chosen = (tuned or {}).get("drafter")
+    if chosen and (has_draft or chosen not in ("model", "hybrid")):
+        return chosen
+    return "model" if has_draft else "ngram"
 
 
 def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -465,7 +470,7 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
     if len(seeds) != len(prompts):
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     k = default_draft_len(pair.manifest, pair.tuned) if draft_len is None else draft_len
-    dr = default_drafter(pair.manifest, pair.tuned)
+    dr = default_drafter(pair.manifest, pair.tuned, pair.draft is not None)
     sampling_cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     reqs = []
     with BatchDecoder(pair, batch_size) as dec:

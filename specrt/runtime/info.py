@@ -20,6 +20,8 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
             if not (Path(pair_dir) / name).is_file():
                 raise PairError(f"missing graph file {Path(pair_dir) / name} (listed in the manifest)")
     est = memory.estimate(pair_dir, m)
+    # the footprint of `load(draft_model=False)` (drafters ngram and suffix), for a board the pair misses
+    lean = memory.estimate(pair_dir, m, draft=False).total if m.draft is not None else None
     avail = memory.available_bytes()
     models = {}
     for role, e in (("target", m.target), ("draft", m.draft)):
@@ -50,13 +52,14 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
         room = total - reserve - cuda
         board = {"name": name, "total": total, "os_reserve": reserve, "cuda_context": cuda, "for_specrt": room,
                  "needs": est.total, "fits": est.total <= room,
+                 "fits_without_draft": None if lean is None else lean <= room,
                  "max_len_that_fits": est.max_len_that_fits(room) if est.total > room else None}
     return {
         "pair": str(pair_dir), "format": m.format, "format_version": m.format_version, "created_by": m.created_by,
         "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids), "max_len": m.max_len,
         "max_draft_len": m.max_draft_len, "kv_layout": m.kv_layout, "tokenizer_files": list(m.tokenizer_files),
         "models": models,
-        "memory": {**est.as_dict(), "available": avail, "fits": fits,
+        "memory": {**est.as_dict(), "without_draft": lean, "available": avail, "fits": fits,
                    "max_len_that_fits": est.max_len_that_fits(avail) if fits is False else None},
         "budget": board,
         "tuned": tuned,

@@ -505,7 +505,9 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 
             if device not in ("auto", "cpu", "cuda"):
                 raise ConfigError(f"batched decoding runs on onnxruntime: device auto, cpu or cuda, not {device!r}")
-            pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap)
+            # a job whose records all draft by prompt lookup leaves the draft model out (its memory)
+            model = any(r.cfg.draft_len and r.cfg.drafter in ("model", "hybrid") for r in pending)
+            pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap, draft_model=model)
             for note in pair.notes:
                 log(f"note: {note}")
             for tokens in out.earlier:  # what an uninterrupted run's history would hold at this point

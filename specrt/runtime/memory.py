@@ -133,12 +133,14 @@ class MemoryEstimate:
 
 
 def estimate(pair_dir, manifest: Manifest, batch: int = 1, tokens: int | None = None,
-             device: str = "cpu") -> MemoryEstimate:
+             device: str = "cpu", draft: bool = True) -> MemoryEstimate:
     """What loading this pair (with `batch` sequences per cache) and running it takes: its caches filled to
-    `tokens` positions (default max_len, the most a request can use), from the manifest and file sizes."""
+    `tokens` positions (default max_len, the most a request can use), from the manifest and file sizes.
+    `draft=False`: the pair loaded without its draft model (`load(draft_model=False)`)."""
 
     tokens = manifest.max_len if tokens is None else min(tokens, manifest.max_len)
-    entries = {"target": manifest.target} | ({"draft": manifest.draft} if manifest.draft is not None else {})
+    with_draft = draft and manifest.draft is not None
+    entries = {"target": manifest.target} | ({"draft": manifest.draft} if with_draft else {})
     rows = {"target": manifest.max_draft_len + 1, "draft": 1}
     per = {r: kv_bytes_per_token(e, batch) for r, e in entries.items()}
     widest = min(PREFILL_CHUNK.get(device, PREFILL_CHUNK["cpu"]), max(tokens, 1))
@@ -237,10 +239,11 @@ def fmt(n: int) -> str:
 
 
 def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | None = None,
-                 device: str = "cpu", device_id: int = 0) -> MemoryEstimate:
+                 device: str = "cpu", device_id: int = 0, draft: bool = True) -> MemoryEstimate:
     """Refuse (PairError) a pair whose estimate exceeds the available memory; return the estimate.
-    `device` "cuda": the weights, caches and workspace must fit in the GPU's free memory."""
-    est = estimate(pair_dir, manifest, batch, device=device)
+    `device` "cuda": the weights, caches and workspace must fit in the GPU's free memory.
+    `draft=False`: the pair loaded without its draft model."""
+    est = estimate(pair_dir, manifest, batch, device=device, draft=draft)
     if available is None:
         available = gpu_free_bytes(device_id) if device == "cuda" else available_bytes()
     avail = available
@@ -255,6 +258,11 @@ def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | 
     else:
         fix = ("the weights alone do not fit: use smaller models, --precision int4, a target-only pair, "
                "or free memory")
+    if "draft" in est.weights:
+        lean = estimate(pair_dir, manifest, batch, device=device, draft=False)
+        if lean.total <= avail:
+            fix += (f"; or leave the draft model out (about {fmt(lean.total)}: drafter ngram or suffix, "
+                    "which `specrt generate --drafter suffix` and `load(draft_model=False)` do)")
     where = f"GPU memory on cuda:{device_id}" if device == "cuda" else "memory"
     raise PairError(f"not enough {where} to load {pair_dir}: it needs about {fmt(est.total)} ({parts}), "
                     f"{fmt(avail)} are available; {fix}")

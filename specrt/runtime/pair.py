@@ -99,11 +99,15 @@ class Pair:
     logits, workspace; see `specrt.runtime.memory`) and refuse with a PairError, which names a
     max_len that would fit, when the machine does not have it available. The estimate is kept in
     `self.memory`.
+
+    `draft_model=False`: the draft model is neither checked, loaded nor counted (its weights are a
+    fifth of an int4 pair's memory); requests draft with prompt lookup (drafter ngram or suffix), as
+    on a target-only pair, and `self.draft` is None.
     """
 
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
                  check_memory: bool = True, device: str = "auto", history: bool = True,
-                 history_cap: int = HISTORY_CAP, share_prefix: bool = True):
+                 history_cap: int = HISTORY_CAP, share_prefix: bool = True, draft_model: bool = True):
         from specrt.runtime import memory
         from specrt.runtime.text import TextCodec
 
@@ -117,13 +121,16 @@ class Pair:
         self.last_result: Result | None = None  # the Result of the latest finished generate/stream
         self.dir = Path(pair_dir)
         self.manifest = m = read_manifest(self.dir)
+        draft = m.draft if draft_model else None  # the draft model's entry, when it is to be loaded
+        self.draft_left_out = m.draft is not None and draft is None
         # "cpu", "cuda" or "tensorrt"; device_note says why auto did not take a GPU when the pair is made for one
         self.device, self.device_note = resolve_device(device, m, self.dir)
         # Before hashing or loading anything: a pair that cannot fit is refused in milliseconds.
         on = "cpu" if self.device == "cpu" else "cuda"
-        self.memory = memory.check_memory(self.dir, m, device=on) if check_memory else memory.estimate(self.dir, m)
+        self.memory = (memory.check_memory(self.dir, m, device=on, draft=draft_model) if check_memory
+                       else memory.estimate(self.dir, m, draft=draft_model))
         if verify:
-            for entry in (m.target, m.draft):
+            for entry in (m.target, draft):
                 if entry is not None:
                     verify_files(self.dir, entry)
         self.codec = TextCodec(self.dir)
@@ -134,7 +141,7 @@ class Pair:
                             f"the pair's vocabulary has {m.vocab_size} ids (replaced tokenizer?); re-export the pair")
         try:
             self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
-            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
+            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
         except PairError as e:
             if not (device == "auto" and self.device == "tensorrt" and m.for_gpu):
                 raise
@@ -142,8 +149,8 @@ class Pair:
             self.target = self.draft = None
             self.device, self.device_note = "cuda", f"TensorRT engines not used: {e}; running on onnxruntime's CUDA provider"
             self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
-            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if m.draft else None
-        self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if m.draft else None
+            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
+        self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
         self.prompt_cache = PromptCache()  # and the target's, in whole prompt chunks (exact: runtime/prefix.py)
         self.share_prefix = share_prefix
@@ -225,7 +232,10 @@ class Pair:
     def default_drafter(self) -> str:
         """What `specrt tune` chose, else hybrid (with draft_len auto the fastest setting measured overall,
         bench/RESULTS.md), or prompt lookup for a pair without a draft model."""
-        return self.tuned.get("drafter") or ("hybrid" if self.draft is not None else "ngram")
+        tuned = self.tuned.get("drafter")
+        if tuned and (self.draft is not None or tuned not in ("model", "hybrid")):
+            return tuned
+        return "hybrid" if self.draft is not None else "ngram"
 
     def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
         """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
@@ -306,7 +316,7 @@ class Pair:
             self._release()
 
     def _check_request(self, prompt: list[int], cfg: GenerationConfig) -> None:
-        check_request(self.manifest, prompt, cfg)
+        check_request(self.manifest, prompt, cfg, draft_left_out=self.draft_left_out)
 
     def _run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None,
              cancel: Callable[[], bool] | None) -> Result:
@@ -480,15 +490,18 @@ class Stream:
         return "".join(self)
 
 
-def check_request(m, prompt: list[int], cfg: GenerationConfig) -> None:
-    """Raise ConfigError for a request the pair (manifest `m`) cannot run: draft length, drafter, cache room."""
+def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False) -> None:
+    """Raise ConfigError for a request the pair (manifest `m`) cannot run: draft length, drafter, cache room.
+    `draft_left_out`: the pair was loaded without its draft model."""
     k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
     if k > m.max_draft_len:
         raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
                           "(set at export with --max-draft-len)")
-    if k and cfg.drafter in ("model", "hybrid") and m.draft is None:
-        raise ConfigError(f"this pair has no draft model, which drafter {cfg.drafter!r} needs; "
-                          "use drafter 'ngram' or draft_len 0")
+    if k and cfg.drafter in ("model", "hybrid") and (m.draft is None or draft_left_out):
+        what = ("the pair was loaded without its draft model" if m.draft is not None
+                else "this pair has no draft model")
+        raise ConfigError(f"{what}, which drafter {cfg.drafter!r} needs; use drafter 'ngram' or 'suffix', "
+                          "or draft_len 0")
     if not prompt:
         raise ConfigError("the prompt is empty")
     if len(prompt) >= m.max_len:
@@ -561,7 +574,7 @@ def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
          check_memory: bool = True, device: str = "auto", history: bool = True, history_cap: int = HISTORY_CAP,
-         share_prefix: bool = True) -> Pair:
+         share_prefix: bool = True, draft_model: bool = True) -> Pair:
     """Load a pair folder made by `specrt export` (with the settings `specrt tune` stored, if any).
 
     `check_memory=False` skips the memory estimate check (see `Pair`).
@@ -573,6 +586,9 @@ def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: b
     `share_prefix`: a request keeps, in both models' caches, what its prompt shares with the previous
     request's (the target's only in whole chunks, so the answer is a fresh read's, runtime/prefix.py);
     False: every request reads its prompt whole (isolation: its timing then says nothing of the others').
+    `draft_model`: False leaves the pair's draft model out (not loaded, not counted; drafters ngram and
+    suffix only): the footprint of the target alone.
     """
     return Pair(pair_dir, threads=threads, verify=verify, use_tuned=use_tuned, check_memory=check_memory,
-                device=device, history=history, history_cap=history_cap, share_prefix=share_prefix)
+                device=device, history=history, history_cap=history_cap, share_prefix=share_prefix,
+                draft_model=draft_model)
