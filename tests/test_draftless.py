@@ -118,3 +118,14 @@ def test_a_prompt_lookup_batch_job_runs_where_the_pair_would_not_fit(qwen_dir, t
 def test_serve_no_draft_model_refuses_a_model_drafter(qwen_dir):
     r = CliRunner().invoke(main, ["serve", str(qwen_dir), "--no-draft-model", "--drafter", "hybrid", "--port", "0"])
     assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1 and "--no-draft-model" in r.stderr
+
+
+def test_info_measures_the_target_alone(qwen_dir):
+    r = CliRunner().invoke(main, ["info", str(qwen_dir), "--measure", "--no-draft-model", "--json"])
+    assert r.exit_code == 0, r.output
+    meas = json.loads(r.stdout)["measured"]
+    assert meas["draft_model"] is False and meas["peak_rss"] > 0
+    est = memory.estimate(qwen_dir, read_manifest(qwen_dir), tokens=meas["tokens"], draft=False)
+    assert meas["estimate"] == est.total
+    r = CliRunner().invoke(main, ["info", str(qwen_dir), "--no-draft-model"])
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1 and "applies to --measure" in r.stderr

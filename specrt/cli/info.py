@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import errors
+from specrt.cli.common import BadInput, errors
 
 
 @click.command()
@@ -17,19 +17,24 @@ from specrt.cli.common import errors
                    "and the CUDA context's share assumed taken) or a number of bytes for specrt.")
 @click.option("--measure", "do_measure", is_flag=True,
               help="Also load the pair and run a 128-token generation: the measured peak memory beside the estimate.")
+@click.option("--no-draft-model", "lone", is_flag=True,
+              help="With --measure: measure the target alone (drafting by prompt lookup), as `generate --drafter suffix` runs.")
 @errors
-def info(pair_dir, as_json, budget, do_measure):
+def info(pair_dir, as_json, budget, do_measure, lone):
     """Show a pair folder: models, sizes, estimated memory, limits, tuned settings, engines."""
     from specrt.runtime.info import measure, pair_info
     from specrt.runtime.memory import fmt
 
+    if lone and not do_measure:
+        raise BadInput("--no-draft-model applies to --measure (the estimate without the draft model is always shown)")
     d = pair_info(pair_dir, budget)
     if do_measure:
-        d["measured"] = meas = measure(pair_dir)
+        d["measured"] = meas = measure(pair_dir, draft_model=not lone)
     click.echo(json.dumps(d, indent=2) if as_json else format_info(d))
     if do_measure and not as_json:
+        what = "" if meas["draft_model"] else " (the target alone)"
         click.echo(f"measured:  peak resident memory {fmt(meas['peak_rss'])} after a {meas['new_tokens']}-token "
-                   f"generation; the estimate for its {meas['tokens']} cache positions: {fmt(meas['estimate'])} "
+                   f"generation{what}; the estimate for its {meas['tokens']} cache positions: {fmt(meas['estimate'])} "
                    f"({meas['ratio'] - 1:+.0%})")
 
 

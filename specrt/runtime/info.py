@@ -93,19 +93,21 @@ def _engines(m, ort_version) -> list[dict]:
     return out
 
 
-def measure(pair_dir: Path, max_new_tokens: int = 128) -> dict:
+def measure(pair_dir: Path, max_new_tokens: int = 128, draft_model: bool = True) -> dict:
     """Load the pair on the CPU and run one greedy generation of a built-in chat prompt: this process's peak
-    resident memory afterwards, beside the estimate for the same number of cache positions."""
+    resident memory afterwards, beside the estimate for the same number of cache positions.
+    `draft_model=False`: the target alone, drafting by prompt lookup."""
     import resource
 
     from specrt.runtime import memory
     from specrt.runtime.pair import load
 
-    with load(pair_dir, device="cpu") as pair:
+    with load(pair_dir, device="cpu", draft_model=draft_model) as pair:
         res = pair.generate("Write a Python function is_palindrome(s) that ignores case, spaces and punctuation, "
-                            "with a short docstring.", chat=True, max_new_tokens=max_new_tokens, draft_len=2)
+                            "with a short docstring.", chat=True, max_new_tokens=max_new_tokens, draft_len=2,
+                            drafter=None if pair.draft is not None else "ngram")
         tokens = res.stats["prompt_tokens"] + res.stats["new_tokens"] + pair.manifest.max_draft_len + 1
-        est = memory.estimate(pair_dir, pair.manifest, tokens=tokens)
+        est = memory.estimate(pair_dir, pair.manifest, tokens=tokens, draft=pair.draft is not None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {"peak_rss": peak, "estimate": est.total, "tokens": tokens, "new_tokens": res.stats["new_tokens"],
-            "ratio": est.total / peak}
+            "ratio": est.total / peak, "draft_model": pair.draft is not None}
