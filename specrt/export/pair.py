@@ -430,9 +430,13 @@ def slice_wide_matmuls(path: Path, rows: int = SLICE_ROWS) -> int:
         raise ValueError(f"slices of {rows} rows would not start on the kernels' column tiles: use a multiple of 64")
     model = onnx.load(str(path))
     inits = {t.name: t for t in model.graph.initializer}
+    uses: dict[str, int] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
     wide = [n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) <= 4
             and helper.get_attribute_value(next(a for a in n.attribute if a.name == "N")) > rows
-            and all(i in inits for i in n.input[1:] if i)]
+            and all(i in inits and uses[i] == 1 for i in n.input[1:] if i)]  # weights of this op alone
     for node in wide:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         N = attrs["N"]
