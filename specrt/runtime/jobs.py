@@ -505,9 +505,8 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 
             if device not in ("auto", "cpu", "cuda"):
                 raise ConfigError(f"batched decoding runs on onnxruntime: device auto, cpu or cuda, not {device!r}")
-            # a job whose records all draft by prompt lookup leaves the draft model out (its memory)
-            model = any(r.cfg.draft_len and r.cfg.drafter in ("model", "hybrid") for r in pending)
-            pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap, draft_model=model)
+            pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap,
+                        draft_model=_needs_draft(pending))
             for note in pair.notes:
                 log(f"note: {note}")
             for tokens in out.earlier:  # what an uninterrupted run's history would hold at this point
@@ -566,10 +565,10 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 class RayWorker:
     """A Ray actor (wrapped by ray.remote at run time): loads the pair once, decodes shards."""
 
-    def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False):
+    def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False, draft_model: bool = True):
         import specrt
 
-        self.pair = specrt.load(pair_dir, threads=threads, device="cpu")
+        self.pair = specrt.load(pair_dir, threads=threads, device="cpu", draft_model=draft_model)
         self.runner = Runner(self.pair, batch_size, try_plain=try_plain)
 
     def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:
@@ -613,6 +612,11 @@ def _ray_start(address: str, init: dict | None):
     return ray, True
 
 
+def _needs_draft(pending: list[Record]) -> bool:
+    """Whether a record drafts with the draft model: a job that drafts by prompt lookup leaves it out (its memory)."""
+    return any(r.cfg.draft_len and r.cfg.drafter in ("model", "hybrid") for r in pending)
+
+
 def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOutput, bar: _Progress,
              actors: int | None, cpus_per_actor: int, log, try_plain: bool = False) -> int | str:
     cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -622,7 +626,8 @@ def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOut
     shards = [pending[i:i + size] for i in range(0, len(pending), size)]
     log(f"ray: {n} actors x {cpus_per_actor} CPU, {len(shards)} shards of <= {size} records")
     Worker = ray.remote(num_cpus=cpus_per_actor)(RayWorker)
-    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, try_plain) for _ in range(n)]
+    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, try_plain, _needs_draft(pending))
+               for _ in range(n)]
     ids = {r.key: r.id for r in pending}
     queue = list(reversed(shards))
     inflight = {}
