@@ -85,6 +85,24 @@ def test_memory_between_the_two_refuses_the_pair_with_the_way_out_and_loads_the_
     assert r.exit_code == 0, r.output
 
 
+def test_generate_follows_a_tuned_lookup_drafter(qwen_dir, tmp_path, monkeypatch):
+    """A pair `specrt tune` set to prompt lookup: a plain `generate` loads the target alone."""
+    import dataclasses
+
+    from _helpers import copy_pair
+    from specrt.config import write_manifest
+
+    d = copy_pair(qwen_dir, tmp_path / "tuned")
+    m = read_manifest(d)
+    write_manifest(d, dataclasses.replace(m, tuned={"drafter": "suffix", "draft_len": "auto", "confidence_stop": 0.0,
+                                                    "graphs": m.graph_hashes()}))
+    monkeypatch.setenv(ENV, str(_between(d)))
+    r = CliRunner().invoke(main, ["generate", str(d), "--prompt", "x = 1", "--max-new-tokens", "3", "--json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["generate", str(d), "--prompt", "x = 1", "--max-new-tokens", "3", "--drafter", "model"])
+    assert r.exit_code == 2 and "leave the draft model out" in r.stderr
+
+
 def test_info_shows_the_footprint_without_the_draft(qwen_dir):
     m = read_manifest(qwen_dir)
     lean = memory.estimate(qwen_dir, m, draft=False).total
