@@ -102,7 +102,7 @@ class Pair:
 
     `draft_model=False`: the draft model is neither checked, loaded nor counted (its weights are a
     fifth of an int4 pair's memory); requests draft with prompt lookup (drafter ngram or suffix), as
-    on a target-only pair, and `self.draft` is None.
+    on a target-only pair; `self.draft` is None and `self.draft_left_out` True.
     """
 
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
