@@ -346,10 +346,15 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     quant = embedding = None
     if cfg.precision == "int4":
         quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric)
-        if cfg.dtype == "float32":  # a CPU graph (on a GPU more ops would cost more launches a pass)
-            slice_wide_matmuls(path)
-    if cfg.embedding:
-        embedding = quantize_embedding(path, cfg.embedding, cfg.embedding_block_size)
+    sliced = cfg.precision == "int4" and cfg.dtype == "float32"  # a CPU graph (on a GPU: more launches a pass)
+    if sliced or cfg.embedding:  # both edits in memory, one write
+        proto = onnx.load(str(path))
+        if sliced:
+            slice_wide_matmuls(proto)
+        if cfg.embedding:
+            embedding = quantize_embedding(proto, path, cfg.embedding, cfg.embedding_block_size)
+        _save(proto, path)
+        del proto
     if output_ids is not None:
         np.save(folder / "output_ids.npy", np.asarray(output_ids, np.int64))
         spec["output_ids"] = "output_ids.npy"
@@ -379,11 +384,15 @@ def _consolidate(path: Path) -> None:
     """One external-data file per graph (the exporter may scatter one file per tensor)."""
     import onnx
 
-    files = [p for p in path.parent.iterdir() if p != path]
-    if not files:
-        return
-    proto = onnx.load(str(path))
-    for p in files:
+    if any(p != path for p in path.parent.iterdir()):
+        _save(onnx.load(str(path)), path)
+
+
+def _save(proto, path: Path) -> None:
+    """Write a graph (in memory) with its tensors in one external-data file, replacing what its folder held."""
+    import onnx
+
+    for p in path.parent.iterdir():
         p.unlink()
     onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
@@ -419,16 +428,14 @@ def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: b
 SLICE_ROWS = 32768
 
 
-def slice_wide_matmuls(path: Path, rows: int = SLICE_ROWS) -> int:
-    """Split every MatMulNBits with more than `rows` output columns into slices of `rows` joined by a Concat
-    on the last axis. In place; returns how many were split."""
+def slice_wide_matmuls(model, rows: int = SLICE_ROWS) -> int:
+    """Split every MatMulNBits of `model` (a ModelProto, edited in place) with more than `rows` output columns
+    into slices of `rows` joined by a Concat on the last axis; returns how many were split."""
     import numpy as np
-    import onnx
     from onnx import helper, numpy_helper
 
     if rows % 64:
         raise ValueError(f"slices of {rows} rows would not start on the kernels' column tiles: use a multiple of 64")
-    model = onnx.load(str(path))
     inits = {t.name: t for t in model.graph.initializer}
     uses: dict[str, int] = {}
     for n in model.graph.node:
@@ -464,12 +471,6 @@ def slice_wide_matmuls(path: Path, rows: int = SLICE_ROWS) -> int:
         for i in node.input[1:]:
             if i and i in inits:
                 model.graph.initializer.remove(inits.pop(i))
-    if wide:
-        for p in path.parent.iterdir():
-            if p.name.startswith(path.name):
-                p.unlink()
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
     return len(wide)
 
 
@@ -495,13 +496,12 @@ def quantize_blocks(table, bits: int, block_size: int):
     return q, scale.astype(table.dtype), zero
 
 
-def quantize_embedding(path: Path, bits: int, block_size: int) -> dict:
-    """The input embedding (the Gather of a constant [V, H] table) as com.microsoft GatherBlockQuantized:
-    weight-only, per block of `block_size` along H; a pass reads only the rows of its tokens. In place."""
-    import onnx
+def quantize_embedding(model, path: Path, bits: int, block_size: int) -> dict:
+    """The input embedding (the Gather of a constant [V, H] table) of `model` (a ModelProto, edited in place;
+    read from `path`) as com.microsoft GatherBlockQuantized: weight-only, per block of `block_size` along H;
+    a pass reads only the rows of its tokens."""
     from onnx import helper, numpy_helper
 
-    model = onnx.load(str(path))
     inits = {t.name: t for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits
              and len(inits[n.input[0]].dims) == 2]
@@ -523,12 +523,6 @@ def quantize_embedding(path: Path, bits: int, block_size: int) -> dict:
     at = list(model.graph.node).index(node)
     model.graph.node.remove(node)
     model.graph.node.insert(at, quantized)
-    del table, data
-    for p in path.parent.iterdir():
-        if p.name.startswith(path.name):
-            p.unlink()
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024)
     return {"op": "GatherBlockQuantized", "bits": bits, "block_size": block_size, "symmetric": False}
 
 

@@ -450,11 +450,10 @@ def default_draft_len(m, tuned: dict | None = None) -> int:
 def default_drafter(m, tuned: dict | None = None, draft: bool = True) -> str:
     """The drafter a batch uses unless told: the tuned one, else the draft model (batches draft at a fixed
     length, measured with it), or prompt lookup for a pair without one (or loaded without it: `draft`)."""
+    from specrt.runtime.pair import tuned_drafter
+
     has_draft = draft and m.draft is not None
-    chosen = (tuned or {}).get("drafter")
-    if chosen and (has_draft or chosen not in ("model", "hybrid")):
-        return chosen
-    return "model" if has_draft else "ngram"
+    return tuned_drafter(tuned, has_draft) or ("model" if has_draft else "ngram")
 
 
 def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,

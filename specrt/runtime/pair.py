@@ -232,10 +232,7 @@ class Pair:
     def default_drafter(self) -> str:
         """What `specrt tune` chose, else hybrid (with draft_len auto the fastest setting measured overall,
         bench/RESULTS.md), or prompt lookup for a pair without a draft model."""
-        tuned = self.tuned.get("drafter")
-        if tuned and (self.draft is not None or tuned not in ("model", "hybrid")):
-            return tuned
-        return "hybrid" if self.draft is not None else "ngram"
+        return tuned_drafter(self.tuned, self.draft is not None) or ("hybrid" if self.draft is not None else "ngram")
 
     def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
         """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
@@ -488,6 +485,12 @@ class Stream:
     def text(self) -> str:
         """Consume the rest of the stream; return all its text."""
         return "".join(self)
+
+
+def tuned_drafter(tuned: dict | None, has_draft: bool) -> str | None:
+    """The drafter `specrt tune` chose, unless it needs a draft model that is not loaded."""
+    chosen = (tuned or {}).get("drafter")
+    return chosen if chosen and (has_draft or chosen not in ("model", "hybrid")) else None
 
 
 def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False) -> None:
