@@ -97,10 +97,18 @@ def int4_default_dir(work, hf_tiny) -> Path:
     return work / "pair-int4-default"
 
 
-def _load(d):
+def _load(d, int4_kernel: str | None = None):
     import specrt
+    from specrt.engines.int4 import ENV
 
-    pair = specrt.load(d, threads=1)
+    before = os.environ.get(ENV)
+    if int4_kernel is not None:
+        os.environ[ENV] = int4_kernel
+    try:
+        pair = specrt.load(d, threads=1)
+    finally:
+        if int4_kernel is not None:
+            os.environ.pop(ENV) if before is None else os.environ.__setitem__(ENV, before)
     yield pair
     pair.close()
 

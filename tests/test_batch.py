@@ -279,3 +279,17 @@ def test_batch_that_does_not_fit_in_memory_is_refused(qwen_pair, monkeypatch):
     with pytest.raises(ConfigError, match="use a batch size <= 3"):
         BatchDecoder(qwen_pair, 4)
     BatchDecoder(qwen_pair, 3).close()
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_int4_default_level_batch_equals_alone(int4_default_pair, k):
+    """int4 at accuracy level 4 (int8 activations) through specrt's kernel, whose rows never depend on the
+    pass around them: batch rows are their lone runs, greedy and seeded sampling."""
+    assert int4_default_pair.target.kernel.swapped == int4_default_pair.target.kernel.total > 0
+    for sampling in (SamplingConfig(), SamplingConfig(0.9, 20, 0.95)):
+        reqs = _requests(int4_default_pair, k, sampling, seeds=list(range(len(PROMPTS))))
+        alone = [_alone(int4_default_pair, r.prompt, r.cfg) for r in reqs]
+        for B in (2, 3):
+            got = _run_batch(int4_default_pair, reqs, B)
+            for r, a in zip(reqs, alone):
+                _same(got[r.key], a, f"{sampling} B={B} prompt {r.key}")

@@ -111,8 +111,10 @@ def _first_line(e: Exception) -> str:
 
 def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0, threads: int | None = None,
                  spinning: bool = True, cuda_graph: bool = False):
-    """(InferenceSession, note): the session of one graph on `device`. With `cuda_graph`, onnxruntime is
-    asked to capture passes as CUDA graphs; when it refuses, the session runs without and `note` says why."""
+    """(InferenceSession, note, kernel): the session of one graph on `device`. With `cuda_graph`, onnxruntime
+    is asked to capture passes as CUDA graphs; when it refuses, the session runs without and `note` says why.
+    `kernel` (engines/int4.Kernel, or None for a graph without int4 matmuls on the CPU) says what computes
+    the int4 matmuls: on the CPU, specrt's kernel wherever it takes a node."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -131,13 +133,18 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
     if "query_seqlens" in entry.inputs and not gqa_has_query_seqlens():
         raise PairError(f"{path} needs onnxruntime >= 1.32 (GroupQueryAttention's query_seqlens), this is "
                         f"{ort.__version__}; upgrade onnxruntime, or re-export the pair with --no-query-seqlens")
-    note = None
+    note = kernel = None
     for capture in ((True, False) if cuda_graph and device == "cuda" else (False,)):
         providers = ["CPUExecutionProvider"]
         if device == "cuda":
             providers = [_cuda_provider(device_id, entry.dtype, capture), "CPUExecutionProvider"]
+        so, source = session_options(threads, spinning), os.fspath(path)
+        if device == "cpu" and (entry.quantization or {}).get("method") == "MatMulNBits":
+            from specrt.engines import int4
+
+            source, kernel = int4.session_source(path, so)
         try:
-            session = ort.InferenceSession(os.fspath(path), session_options(threads, spinning), providers=providers)
+            session = ort.InferenceSession(source, so, providers=providers)
             break
         except Exception as e:  # onnxruntime raises its own types with multi-line text
             if capture:
@@ -150,7 +157,7 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
         raise PairError(f"onnxruntime could not start its CUDA provider for {path} (CUDA/cuDNN libraries "
                         "not found? see `python -c 'import onnxruntime; onnxruntime.preload_dlls()'`)")
     _check_io(session, entry, path)
-    return session, note
+    return session, note, kernel
 
 
 def _check_io(session, entry: ModelEntry, path: Path) -> None:
@@ -189,11 +196,12 @@ class _Base:
         token: the activations' memory, which onnxruntime's arena keeps, is that of a chunk, and a prompt is
         always read in the same passes (what lets its prefix be reused exactly, runtime/prefix.py)."""
         self.note = None  # why CUDA graphs are off, when they were asked for and refused
+        self.kernel = None  # engines/int4.Kernel: what computes the int4 matmuls on the CPU
         # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
         self.captures = cuda_graph and device == "cuda" and entry.graph == "lean"
         if session is None:
-            session, self.note = load_session(Path(pair_dir) / entry.path, entry, device, device_id, threads,
-                                              spinning, self.captures)
+            session, self.note, self.kernel = load_session(Path(pair_dir) / entry.path, entry, device, device_id,
+                                                           threads, spinning, self.captures)
             self.captures = self.captures and self.note is None
         elif device not in DEVICES:
             raise PairError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")

@@ -1,0 +1,192 @@
+"""specrt's int4 matmul (specrt/engines/kernels, docs/kernel.md) as onnxruntime's custom operator
+`specrt.Int4MatMul`, put in place of MatMulNBits when the CPU engine loads an int4 graph.
+
+The library is built by `pip install` when a C++17 compiler is there. At load, `plan` reads the graph's
+nodes (not its weights) and swaps every MatMulNBits the kernel takes: 4 bits, a block size that is a multiple
+of 32, accuracy level 4 (int8 activations, which is what the kernel computes), constant float weights, no
+g_idx. The others stay onnxruntime's, node by node. The graph file is never changed: the session is made
+from the edited graph in memory, its weights read from the pair folder as before.
+
+`SPECRT_INT4_KERNEL` chooses: "auto" (the default: the best path this CPU runs), "off" (onnxruntime's own
+kernel for every node), or a path name ("avx2", "neon-dotprod", ...: that path or an error).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DOMAIN, OP = "specrt", "Int4MatMul"
+ENV = "SPECRT_INT4_KERNEL"
+LIBRARY_ENV = "SPECRT_INT4_LIBRARY"
+HERE = Path(__file__).parent
+BUILD_HINT = ("install a C++17 compiler (g++ or clang++) and run `pip install -e .` in the specrt checkout again "
+              "(`pip install -v` shows the compiler's output)")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What computes a graph's int4 matmuls: `path` (the library's, e.g. "avx2") on `swapped` of its `total`
+    MatMulNBits nodes, onnxruntime's MatMulNBits on the rest; `why` says why any node is onnxruntime's."""
+
+    path: str | None
+    swapped: int
+    total: int
+    why: str | None = None
+
+    def describe(self) -> str:
+        if not self.total:
+            return "no int4 matmuls"
+        if self.swapped == self.total:
+            return f"specrt {self.path} ({self.total} MatMulNBits)"
+        if not self.swapped:
+            return f"onnxruntime MatMulNBits ({self.why})"
+        return f"specrt {self.path} on {self.swapped} of {self.total} MatMulNBits; onnxruntime's on the rest ({self.why})"
+
+
+def library() -> Path | None:
+    """The built library, or None. SPECRT_INT4_LIBRARY names another build of it (to compare builds)."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = HERE / f"_int4{suffix}"
+        if p.is_file():
+            return p
+    return None
+
+
+@functools.cache
+def _lib():
+    lib = ctypes.CDLL(os.fspath(library()))
+    lib.specrt_int4_paths.restype = ctypes.c_char_p
+    lib.specrt_int4_notes.restype = ctypes.c_char_p
+    lib.specrt_int4_pack.restype = ctypes.c_void_p
+    lib.specrt_int4_pack.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    lib.specrt_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.specrt_int4_free.argtypes = [ctypes.c_void_p]
+    lib.specrt_int4_reference.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int,
+                                                                                     ctypes.c_void_p]
+    return lib
+
+
+def paths() -> list[str]:
+    """The library's paths this CPU runs, best first ("scalar", which defines the arithmetic, last); [] when
+    the library is not built."""
+    if library() is None:
+        return []
+    return _lib().specrt_int4_paths().decode().split(",")
+
+
+def unavailable() -> str | None:
+    """None when the library can take nodes here, else why not (one line that says what to do)."""
+    if library() is None:
+        note = HERE / "_int4.build-error.txt"
+        why = note.read_text().strip() if note.is_file() else "it was not built"
+        return f"specrt's int4 kernel library is not built ({why}); {BUILD_HINT}"
+    notes = _lib().specrt_int4_notes().decode()
+    if not [p for p in paths() if p != "scalar"]:
+        return ("this CPU has none of the kernel's SIMD paths (AVX2, AVX-512, NEON dotprod)"
+                + (f"; {notes}" if notes else ""))
+    return None
+
+
+def setting() -> str:
+    return os.environ.get(ENV, "auto").strip() or "auto"
+
+
+def chosen_path(choice: str) -> str:
+    """The path `choice` ("auto" or a name) runs on here; PairError when it cannot."""
+    from specrt.errors import PairError
+
+    usable = paths()
+    if choice == "auto":
+        return next(p for p in usable if p != "scalar")
+    if choice not in usable:
+        raise PairError(f"{ENV}={choice}: this CPU or build has no such kernel path; here: "
+                        f"{', '.join(usable) or 'none'} (or auto, off)")
+    return choice
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _refusal(node, inits: dict) -> str | None:
+    """Why the kernel does not take this MatMulNBits node (None: it does)."""
+    from onnx import TensorProto
+
+    a = _attrs(node)
+    ins = list(node.input) + [""] * (6 - len(node.input))
+    if a.get("bits", 4) != 4:
+        return f"{a['bits']}-bit weights"
+    bs = a.get("block_size", 0)
+    if bs < 32 or bs % 32:
+        return f"block size {bs}"
+    if a.get("accuracy_level", 0) != 4:
+        return f"accuracy level {a.get('accuracy_level', 0)} (float activations asked for)"
+    if ins[4]:
+        return "a g_idx input"
+    kinds = {1: TensorProto.UINT8, 2: TensorProto.FLOAT, 3: TensorProto.UINT8, 5: TensorProto.FLOAT}
+    for i, kind in kinds.items():
+        if not ins[i] and i in (3, 5):
+            continue
+        if ins[i] not in inits:
+            return "weights computed at run time"
+        if inits[ins[i]].data_type != kind:
+            return "float16 scales or float zero points" if i in (2, 3) else "float16 weights"
+    return None
+
+
+def plan(model_path: Path, choice: str | None = None):
+    """(graph, Kernel): the graph of `model_path` (weights left in their files) with every MatMulNBits the
+    kernel takes swapped for specrt.Int4MatMul, or None when none is (then onnxruntime loads the file as is)."""
+    import onnx
+    from onnx import helper
+
+    choice = setting() if choice is None else choice
+    model = onnx.load(os.fspath(model_path), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    if not nodes:
+        return None, Kernel(None, 0, 0)
+    if choice == "off":
+        return None, Kernel(None, 0, len(nodes), f"{ENV}=off")
+    why = unavailable()
+    if why:
+        return None, Kernel(None, 0, len(nodes), why)
+    path = chosen_path(choice)
+    inits = {t.name: t for t in model.graph.initializer}
+    refused: dict[str, int] = {}
+    swapped = 0
+    for node in nodes:
+        reason = _refusal(node, inits)
+        if reason:
+            refused[reason] = refused.get(reason, 0) + 1
+            continue
+        a = _attrs(node)
+        ins = list(node.input) + [""] * (6 - len(node.input))
+        new = helper.make_node(OP, [ins[0], ins[1], ins[2], ins[3], ins[5]], list(node.output), name=node.name,
+                               domain=DOMAIN, K=a["K"], N=a["N"], bits=4, block_size=a["block_size"], path=path)
+        node.CopyFrom(new)
+        swapped += 1
+    why = "; ".join(f"{n} with {r}" for r, n in refused.items()) or None
+    if not swapped:
+        return None, Kernel(None, 0, len(nodes), why)
+    model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return model, Kernel(path, swapped, len(nodes), why)
+
+
+def session_source(model_path: Path, so, choice: str | None = None):
+    """(what to give InferenceSession, Kernel): the graph's bytes with the library registered on `so` (and the
+    pair folder as where its weights are), or the file's path when no node is swapped."""
+    model, kernel = plan(model_path, choice)
+    if model is None:
+        return os.fspath(model_path), kernel
+    so.register_custom_ops_library(os.fspath(library()))
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(model_path.parent))
+    return model.SerializeToString(), kernel

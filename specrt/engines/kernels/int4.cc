@@ -1,0 +1,341 @@
+// Packing, activation quantization, the scalar kernel, path selection and the C interface the tests and
+// `specrt info` use through ctypes. The arithmetic is defined in int4.h.
+#include "int4.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
+namespace specrt {
+
+const char* const kPathNames[kPaths] = {"avx512vnni", "avx512", "avxvnni", "avx2", "neon-i8mm", "neon-dotprod",
+                                        "scalar"};
+
+static inline int nibble(const uint8_t* row, int k) { return (row[k >> 1] >> ((k & 1) * 4)) & 15; }
+
+bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
+          Packed* out) {
+  Packed w;
+  w.K = K, w.N = N, w.bs = bs;
+  w.nblk = (K + bs - 1) / bs;
+  w.npanel = (N + kPanel - 1) / kPanel;
+  w.block_bytes = (size_t)bs * 8 + 2 * kPanel * sizeof(float);
+  const size_t bytes = (size_t)w.npanel * w.nblk * w.block_bytes;
+  if (posix_memalign((void**)&w.data, 64, bytes ? bytes : 64)) return false;
+  if (bias) {
+    w.bias = (float*)malloc(sizeof(float) * N);
+    if (!w.bias) return free(w.data), false;
+    memcpy(w.bias, bias, sizeof(float) * N);
+  }
+  const int blob = bs / 2, zrow = (w.nblk + 1) / 2;
+  for (int p = 0; p < w.npanel; ++p) {
+    for (int b = 0; b < w.nblk; ++b) {
+      uint8_t* dst = w.data + ((size_t)p * w.nblk + b) * w.block_bytes;
+      float* sc = (float*)(dst + (size_t)bs * 8);
+      float* zf = sc + kPanel;
+      for (int c = 0; c < kPanel; ++c) {
+        const int n = p * kPanel + c;
+        const uint8_t* src = n < N ? B + ((size_t)n * w.nblk + b) * blob : nullptr;
+        for (int s = 0; s < bs / 8; ++s) {
+          for (int i = 0; i < 4; ++i) {
+            const int lo = src ? nibble(src, s * 8 + i) : 0, hi = src ? nibble(src, s * 8 + 4 + i) : 0;
+            dst[(size_t)s * 64 + 4 * c + i] = (uint8_t)(lo | (hi << 4));
+          }
+        }
+        sc[c] = n < N ? scales[(size_t)n * w.nblk + b] : 0.0f;
+        zf[c] = n < N ? (float)(zp ? nibble(zp + (size_t)n * zrow, b) : 8) : 0.0f;
+      }
+    }
+  }
+  *out = w;
+  return true;
+}
+
+void release(Packed* w) {
+  free(w->data);
+  free(w->bias);
+  *w = Packed();
+}
+
+void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out) {
+  for (int r = row0; r < row0 + rows; ++r) {
+    const float* a = A + (size_t)r * lda;
+    int8_t* q = out.q + (size_t)r * out.Kp;
+    for (int b = 0; b < out.nblk; ++b) {
+      const int k0 = b * bs, k1 = k0 + bs < K ? k0 + bs : K;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int k = k0; k < k1; ++k) {
+        const float x = std::fabs(a[k]);
+        finite = finite && x <= 3.402823466e38f;  // false for inf and NaN
+        amax = x > amax ? x : amax;
+      }
+      int sum = 0;
+      if (amax == 0.0f || !finite) {
+        memset(q + k0, 0, bs);
+        // a block of zeros adds nothing; inf or NaN in A make the whole output row NaN, as a float matmul would
+        out.scale[(size_t)r * out.nblk + b] = finite ? 0.0f : NAN;
+      } else {
+        const float inv = 127.0f / amax;
+        for (int k = k0; k < k1; ++k) {
+          float v = std::nearbyint(a[k] * inv);  // the default rounding mode: half to even
+          v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+          q[k] = (int8_t)v;
+          sum += (int)v;
+        }
+        memset(q + k1, 0, k0 + bs - k1);
+        out.scale[(size_t)r * out.nblk + b] = amax / 127.0f;
+      }
+      out.sum[(size_t)r * out.nblk + b] = (float)sum;
+    }
+  }
+}
+
+// The scalar path over the packed layout: the arithmetic of int4.h written out, one element at a time.
+void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy) {
+  for (int p = p0; p < p1; ++p) {
+    for (int r = r0; r < r0 + nr; ++r) {
+      float acc[kPanel] = {0};
+      const int8_t* q = a.q + (size_t)r * a.Kp;
+      for (int b = 0; b < w.nblk; ++b) {
+        const uint8_t* blk = w.data + ((size_t)p * w.nblk + b) * w.block_bytes;
+        const float* sc = (const float*)(blk + (size_t)w.bs * 8);
+        const float* zf = sc + kPanel;
+        const float s_a = a.scale[(size_t)r * a.nblk + b];
+        const int sum = (int)a.sum[(size_t)r * a.nblk + b];
+        for (int c = 0; c < kPanel; ++c) {
+          int dot = 0;
+          for (int s = 0; s < w.bs / 8; ++s) {
+            const int8_t* qk = q + b * w.bs + s * 8;
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t v = blk[(size_t)s * 64 + 4 * c + i];
+              dot += (v & 15) * qk[i] + (v >> 4) * qk[4 + i];
+            }
+          }
+          const float d = (float)(dot - (int)zf[c] * sum);
+          acc[c] = std::fma(d, sc[c] * s_a, acc[c]);
+        }
+      }
+      for (int c = 0; c < kPanel && p * kPanel + c < w.N; ++c) {
+        const int n = p * kPanel + c;
+        y[(size_t)r * ldy + n] = w.bias ? acc[c] + w.bias[n] : acc[c];
+      }
+    }
+  }
+}
+
+Impl impl_for(Path path) {
+  Impl x86;
+  x86.quantize = kAvx2Quantize;
+  Impl arm;
+  arm.quantize = quantize_scalar;
+  switch (path) {
+    case kAvx512Vnni: return x86.kernel = kAvx512VnniKernel, x86;
+    case kAvx512: return x86.kernel = kAvx512Kernel, x86;
+    case kAvxVnni: return x86.kernel = kAvxVnniKernel, x86;
+    case kAvx2: return x86.kernel = kAvx2Kernel, x86;
+    case kNeonI8mm: return arm.kernel = kNeonI8mmKernel, arm;
+    case kNeonDot: return arm.kernel = kNeonDotKernel, arm;
+    case kScalar: return arm.kernel = kernel_scalar, arm;
+    default: return Impl();
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// XCR0: whether the OS saves the vector registers a path uses (a CPU flag alone is not enough).
+static unsigned long long xcr0() {
+  unsigned a, b, c, d;
+  __cpuid(1, a, b, c, d);
+  if (!(c & (1u << 27))) return 0;  // no OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return ((unsigned long long)hi << 32) | lo;
+}
+#endif
+
+bool cpu_has(Path path) {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0, a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (__get_cpuid_max(0, nullptr) < 7) return path == kScalar;
+  __cpuid(1, a1, b1, c1, d1);
+  __cpuid_count(7, 0, a, b, c, d);
+  unsigned eax71 = 0, ebx71 = 0, ecx71 = 0, edx71 = 0;
+  __cpuid_count(7, 1, eax71, ebx71, ecx71, edx71);
+  const unsigned long long x = xcr0();
+  const bool ymm = (x & 6) == 6, zmm = (x & 0xe6) == 0xe6;
+  const bool avx2 = ymm && (b & (1u << 5)) && (c1 & (1u << 12));  // AVX2 and FMA
+  const bool avx512 = zmm && (b & (1u << 16)) && (b & (1u << 30));  // F and BW
+  switch (path) {
+    case kAvx512Vnni: return avx512 && (c & (1u << 11));
+    case kAvx512: return avx512;
+    case kAvxVnni: return avx2 && (eax71 & (1u << 4));
+    case kAvx2: return avx2;
+    case kScalar: return true;
+    default: return false;
+  }
+#elif defined(__aarch64__) && defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  switch (path) {
+    case kNeonI8mm: return (hw & (1ul << 20)) && (hw2 & (1ul << 13));  // ASIMDDP and I8MM
+    case kNeonDot: return hw & (1ul << 20);  // HWCAP_ASIMDDP
+    case kScalar: return true;
+    default: return false;
+  }
+#else
+  return path == kScalar;
+#endif
+}
+
+}  // namespace specrt
+
+using namespace specrt;
+
+namespace {
+
+// The arithmetic of int4.h over MatMulNBits' own layout: what defines the result for the tests.
+void reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
+               const float* A, int M, float* Y) {
+  const int nblk = (K + bs - 1) / bs, blob = bs / 2, zrow = (nblk + 1) / 2;
+  std::vector<int8_t> q((size_t)M * nblk * bs);
+  std::vector<float> s_a((size_t)M * nblk), sums((size_t)M * nblk);
+  Acts a;
+  a.M = M, a.Kp = nblk * bs, a.nblk = nblk, a.q = q.data(), a.scale = s_a.data(), a.sum = sums.data();
+  quantize_scalar(A, K, 0, M, K, bs, a);
+  for (int r = 0; r < M; ++r) {
+    for (int n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (int b = 0; b < nblk; ++b) {
+        const uint8_t* w = B + ((size_t)n * nblk + b) * blob;
+        const int8_t* qa = a.q + (size_t)r * a.Kp + (size_t)b * bs;
+        int dot = 0;
+        for (int k = 0; k < bs; ++k) dot += nibble(w, k) * qa[k];
+        const int z = zp ? nibble(zp + (size_t)n * zrow, b) : 8;
+        const float d = (float)(dot - z * (int)sums[(size_t)r * nblk + b]);
+        acc = std::fma(d, scales[(size_t)n * nblk + b] * s_a[(size_t)r * nblk + b], acc);
+      }
+      Y[(size_t)r * N + n] = bias ? acc + bias[n] : acc;
+    }
+  }
+}
+
+// A small problem with known bits: a path that disagrees with the scalar path is not offered.
+bool self_check(Path path) {
+  const int K = 300, N = 37, bs = 32, M = 5, nblk = (K + bs - 1) / bs;
+  std::vector<uint8_t> B((size_t)N * nblk * bs / 2), zp((size_t)N * ((nblk + 1) / 2));
+  std::vector<float> sc((size_t)N * nblk), bias(N), A((size_t)M * K);
+  unsigned s = 12345;
+  auto next = [&s]() { return s = s * 1103515245u + 12345u, (s >> 8) & 0xffff; };
+  for (auto& v : B) v = (uint8_t)next();
+  for (auto& v : zp) v = (uint8_t)next();
+  for (auto& v : sc) v = (float)(next() % 1000 + 1) * 1e-4f;
+  for (auto& v : bias) v = (float)((int)(next() % 200) - 100) * 1e-2f;
+  for (auto& v : A) v = (float)((int)(next() % 20001) - 10000) * 1e-3f;
+  Packed w;
+  if (!pack(B.data(), sc.data(), zp.data(), bias.data(), K, N, bs, &w)) return false;
+  std::vector<int8_t> q((size_t)M * nblk * bs);
+  std::vector<float> sa((size_t)M * nblk), sums((size_t)M * nblk), want((size_t)M * N), got((size_t)M * N);
+  Acts a;
+  a.M = M, a.Kp = nblk * bs, a.nblk = nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();
+  const Impl impl = impl_for(path);
+  impl.quantize(A.data(), K, 0, M, K, bs, a);
+  reference(B.data(), sc.data(), zp.data(), bias.data(), K, N, bs, A.data(), M, want.data());
+  impl.kernel(w, a, 0, M, 0, w.npanel, got.data(), N);
+  release(&w);
+  return memcmp(want.data(), got.data(), sizeof(float) * want.size()) == 0;
+}
+
+struct Selection {
+  bool usable[kPaths] = {false};
+  Impl impls[kPaths];
+  std::string notes;  // paths this CPU has that failed their self-check
+  Selection() {
+    for (int p = 0; p < kPaths; ++p) {
+      const Path path = (Path)p;
+      impls[p] = impl_for(path);
+      if (!impls[p].kernel || !impls[p].quantize || !cpu_has(path)) continue;
+      usable[p] = self_check(path);
+      if (!usable[p]) notes += std::string(notes.empty() ? "" : "; ") + kPathNames[p] + " failed its self-check";
+    }
+  }
+};
+
+const Selection& selection() {
+  static const Selection s;
+  return s;
+}
+
+}  // namespace
+
+namespace specrt {
+
+const Impl* choose(const char* name, Path* chosen) {
+  const Selection& s = selection();
+  for (int p = 0; p < kPaths; ++p) {
+    const bool wanted = (!name || !*name || !strcmp(name, "auto")) ? p != kScalar : !strcmp(name, kPathNames[p]);
+    if (wanted && s.usable[p]) {
+      if (chosen) *chosen = (Path)p;
+      return &s.impls[p];
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace specrt
+
+#define EXPORT extern "C" __attribute__((visibility("default")))
+
+// Comma-separated paths usable here, best first ("scalar" is always last; it is not chosen by "auto").
+EXPORT const char* specrt_int4_paths() {
+  static std::string out;
+  if (out.empty()) {
+    for (int p = 0; p < kPaths; ++p)
+      if (selection().usable[p]) out += std::string(out.empty() ? "" : ",") + kPathNames[p];
+  }
+  return out.c_str();
+}
+
+// Why a path this CPU has is not offered ("" when none failed).
+EXPORT const char* specrt_int4_notes() { return selection().notes.c_str(); }
+
+EXPORT void* specrt_int4_pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K,
+                              int N, int bs) {
+  if (K <= 0 || N <= 0 || bs < 32 || bs % 32) return nullptr;
+  Packed* w = new Packed;
+  if (!pack(B, scales, zp, bias, K, N, bs, w)) return delete w, nullptr;
+  return w;
+}
+
+EXPORT void specrt_int4_free(void* w) {
+  if (w) release((Packed*)w), delete (Packed*)w;
+}
+
+// Y [M][N] = A [M][K] times the packed weight, on one thread, by path `path` ("auto" or a name);
+// panels [p0, p1) only when p1 > 0 (the rest of Y untouched). Returns 0, or -1 when the path cannot run here.
+EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* Y, const char* path, int p0, int p1) {
+  const Packed& w = *(const Packed*)packed;
+  const Impl* impl = choose(path, nullptr);
+  if (!impl) return -1;
+  std::vector<int8_t> q((size_t)M * w.nblk * w.bs);
+  std::vector<float> sa((size_t)M * w.nblk), sums((size_t)M * w.nblk);
+  Acts a;
+  a.M = M, a.Kp = w.nblk * w.bs, a.nblk = w.nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();
+  impl->quantize(A, w.K, 0, M, w.K, w.bs, a);
+  if (p1 <= 0) p0 = 0, p1 = w.npanel;
+  for (int r = 0; r < M; r += kRowChunk) impl->kernel(w, a, r, M - r < kRowChunk ? M - r : kRowChunk, p0, p1, Y, w.N);
+  return 0;
+}
+
+EXPORT void specrt_int4_reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K,
+                                  int N, int bs, const float* A, int M, float* Y) {
+  reference(B, scales, zp, bias, K, N, bs, A, M, Y);
+}

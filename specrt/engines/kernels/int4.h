@@ -1,0 +1,80 @@
+// The int4 x int8 matmul behind the CPU engine's wide passes (docs/kernel.md).
+//
+// It computes what onnxruntime's MatMulNBits (bits 4, accuracy level 4) computes, Y = A W^T with W in
+// 4-bit blocks along K, but with one arithmetic per output element that no caller can change:
+//   1. each row of A is quantized to int8 per block of `bs` values: amax = max |a|, scale = amax / 127,
+//      q = round-half-even(a * (127 / amax)), and the block's sum of q is kept;
+//   2. for each block, the exact integer dot(q, w) - zp * sum(q) is taken (no rounding: an int32);
+//   3. acc = fma(float(dot), scale_a * scale_w, acc), blocks in order from the first; y = acc (+ bias).
+// Every path (the scalar reference, AVX2, AVX-VNNI, AVX-512, NEON) gives the same bits, and a row's bits
+// never depend on how many rows a call has or where the row sits in it: the integer part is exact and
+// the float part is the same operations in the same order for every row.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace specrt {
+
+constexpr int kPanel = 16;     // output columns a packed panel holds
+constexpr int kRowChunk = 64;  // rows whose float accumulators one pass over the weights keeps
+constexpr int kAhead = 4;      // blocks ahead whose weights a kernel prefetches (measured: 1 row ~8% faster)
+
+// One MatMulNBits weight packed for the kernels. Panel p holds columns [16p, 16p+16) (zero columns pad
+// the last); for each block, bs/8 steps of 64 bytes, then 16 float scales, then 16 float zero points.
+// Byte 4c+i of a step holds column c's weights k0+i (low nibble) and k0+4+i (high nibble), k0 = 8 * step:
+// one load gives, per column, the 4 consecutive weights a 32-bit lane of a dot-product instruction takes.
+struct Packed {
+  int K = 0, N = 0, bs = 0, nblk = 0, npanel = 0;
+  size_t block_bytes = 0;  // bs * 8 + 128
+  uint8_t* data = nullptr;  // npanel * nblk * block_bytes bytes, 64-byte aligned
+  float* bias = nullptr;    // [N], or null
+};
+
+// The activations of one call, quantized (step 1 above).
+struct Acts {
+  int M = 0, Kp = 0, nblk = 0;  // Kp = nblk * bs: rows are zero-padded to whole blocks
+  int8_t* q = nullptr;      // [M][Kp]
+  float* scale = nullptr;   // [M][nblk]
+  float* sum = nullptr;     // [M][nblk], exact integers
+};
+
+// Computes rows [r0, r0 + nr) (nr <= kRowChunk) of panels [p0, p1) into y (row stride ldy floats).
+using Kernel = void (*)(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy);
+// Step 1 for rows [row0, row0 + rows) of A (row stride lda floats) into out, whose rows it fills.
+using Quantizer = void (*)(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);
+
+// A path: its kernel and the quantizer it runs with (every quantizer gives the same bytes).
+struct Impl {
+  Kernel kernel = nullptr;
+  Quantizer quantize = nullptr;
+};
+
+// Kernel paths, in order of preference.
+enum Path { kAvx512Vnni, kAvx512, kAvxVnni, kAvx2, kNeonI8mm, kNeonDot, kScalar, kPaths };
+extern const char* const kPathNames[kPaths];
+
+Impl impl_for(Path path);  // nulls where this build has no such path
+bool cpu_has(Path path);    // the CPU (and OS) run it
+// Path `name` ("auto": the best this CPU runs that passed its self-check; never the scalar path, which
+// exists to define and test the arithmetic). Null when that path cannot run here.
+const Impl* choose(const char* name, Path* chosen);
+
+// Packs B [N][nblk][bs/2] (MatMulNBits' layout), scales [N][nblk], zero points [N][ceil(nblk/2)] (4-bit,
+// low nibble first; null: 8) and bias [N] (may be null). Returns false when out of memory.
+bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
+          Packed* out);
+void release(Packed* w);
+
+// Path kernels and quantizers; defined in the per-ISA files (null where a build lacks them).
+void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy);
+void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);
+extern const Kernel kAvx2Kernel, kAvxVnniKernel, kAvx512Kernel, kAvx512VnniKernel, kNeonDotKernel, kNeonI8mmKernel;
+extern const Quantizer kAvx2Quantize;  // every x86 path runs with it
+
+}  // namespace specrt
+
+
+
+
+
