@@ -32,6 +32,7 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
             "quantization": e.quantization, "layers": e.num_layers, "kv_heads": e.num_kv_heads,
             "head_dim": e.head_dim, "logits_width": e.logits_width, "size_bytes": memory.graph_bytes(pair_dir, e),
             "files": sorted(e.files), "graph": e.graph, "kv_layout": e.kv_layout, "embedding": e.embedding,
+            "int4_kernel": _int4_kernel(Path(pair_dir) / e.path, e),
         }
     tuned = None
     if m.tuned:
@@ -65,6 +66,21 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
         "tuned": tuned,
         "engines": _engines(m, ort_version),
     }
+
+
+def _int4_kernel(path: Path, e) -> dict | None:
+    """What computes the graph's int4 matmuls on the CPU (engines/int4.py), as the CPU engine would load it;
+    None for a graph without them."""
+    from specrt.engines import int4
+    from specrt.errors import PairError
+
+    if (e.quantization or {}).get("method") != "MatMulNBits" or e.dtype != "float32":
+        return None
+    try:
+        _, k = int4.plan(path)
+    except PairError as ex:
+        return {"path": None, "swapped": 0, "total": None, "why": str(ex), "describe": f"refused: {ex}"}
+    return {"path": k.path, "swapped": k.swapped, "total": k.total, "why": k.why, "describe": k.describe()}
 
 
 def _engines(m, ort_version) -> list[dict]:

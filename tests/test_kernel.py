@@ -1,0 +1,293 @@
+"""specrt's int4 matmul (specrt/engines/kernels, docs/kernel.md): every path against the reference arithmetic,
+bit for bit; rows independent of the call around them; the custom operator against onnxruntime's MatMulNBits;
+the swap at load and what stays onnxruntime's; the Arm path under qemu-user; the build without a compiler."""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrt.engines import int4
+
+ROOT = Path(__file__).resolve().parent.parent
+built = pytest.mark.skipif(int4.library() is None, reason=f"the kernel library is not built: {int4.unavailable()}")
+X86_PATHS = {"avx2": {"avx2", "fma"}, "avxvnni": {"avx2", "fma", "avx_vnni"}, "avx512": {"avx512f", "avx512bw"},
+             "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def weights(rng, K: int, N: int, bs: int, zero_points: bool = True, bias: bool = False):
+    """MatMulNBits' inputs for random 4-bit weights: B [N, nblk, bs/2], scales [N, nblk], zero points, bias."""
+    nblk = -(-K // bs)
+    B = rng.integers(0, 256, (N, nblk, bs // 2), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 0.05, (N, nblk)).astype(np.float32)
+    zp = rng.integers(0, 256, (N, (nblk + 1) // 2), dtype=np.uint8) if zero_points else None
+    b = rng.uniform(-2, 2, N).astype(np.float32) if bias else None
+    return B, scales, zp, b
+
+
+def _ptr(a):
+    return None if a is None else a.ctypes.data
+
+
+class Packed:
+    def __init__(self, B, scales, zp, bias, K, N, bs):
+        self.keep = (B, scales, zp, bias)
+        self.K, self.N = K, N
+        self.handle = int4._lib().specrt_int4_pack(_ptr(B), _ptr(scales), _ptr(zp), _ptr(bias), K, N, bs)
+        assert self.handle
+
+    def __call__(self, A, path: str) -> np.ndarray:
+        A = np.ascontiguousarray(A, np.float32)
+        Y = np.full((len(A), self.N), np.nan, np.float32)
+        rc = int4._lib().specrt_int4_matmul(self.handle, A.ctypes.data, len(A), Y.ctypes.data, path.encode(), 0, 0)
+        assert rc == 0, f"path {path} cannot run here"
+        return Y
+
+    def __del__(self):
+        int4._lib().specrt_int4_free(self.handle)
+
+
+def reference(B, scales, zp, bias, K, N, bs, A) -> np.ndarray:
+    A = np.ascontiguousarray(A, np.float32)
+    Y = np.empty((len(A), N), np.float32)
+    int4._lib().specrt_int4_reference(_ptr(B), _ptr(scales), _ptr(zp), _ptr(bias), K, N, bs, A.ctypes.data, len(A),
+                                      Y.ctypes.data)
+    return Y
+
+
+def dequantized(B, scales, zp, bias, K, N, bs, A) -> np.ndarray:
+    """The same quantities in float64 by other means: activations quantized per block as int4.h says, weights
+    (q - zp) * scale; only the order of the sums differs from the kernel's."""
+    nblk = B.shape[1]
+    q = np.stack([B & 15, B >> 4], -1).reshape(N, nblk * bs)[:, :K].astype(np.float64)
+    z = np.full((N, nblk), 8.0) if zp is None else np.stack([zp & 15, zp >> 4], -1).reshape(N, -1)[:, :nblk]
+    W = (q - np.repeat(z, bs, 1)[:, :K]) * np.repeat(scales.astype(np.float64), bs, 1)[:, :K]
+    Ap = np.zeros((len(A), nblk * bs), np.float32)
+    Ap[:, :K] = A
+    blocks = Ap.reshape(len(A), nblk, bs)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    qa = np.clip(np.rint(blocks * inv), -127, 127)
+    Aq = (qa * (amax / np.float32(127)).astype(np.float32)).reshape(len(A), -1)[:, :K].astype(np.float64)
+    return Aq @ W.T + (0 if bias is None else bias)
+
+
+def all_x86_paths():
+    return list(X86_PATHS) if platform.machine() in ("x86_64", "AMD64") else []
+
+
+@built
+def test_every_path_the_cpu_has_is_offered():
+    usable = int4.paths()
+    assert usable[-1] == "scalar"
+    flags = cpu_flags()
+    for name, need in X86_PATHS.items():
+        if platform.machine() == "x86_64" and need <= flags:
+            assert name in usable, f"this CPU has {sorted(need)} but the library offers {usable}"
+    if "asimddp" in flags:
+        assert "neon-dotprod" in usable
+    assert int4.unavailable() is None or not [p for p in usable if p != "scalar"]
+
+
+@built
+def test_the_reference_computes_the_quantized_matmul():
+    rng = np.random.default_rng(0)
+    for K, N, bs, zp, bias in ((300, 37, 32, True, False), (512, 64, 128, False, True), (1000, 5, 256, True, True)):
+        B, s, z, b = weights(rng, K, N, bs, zp, bias)
+        A = rng.standard_normal((7, K)).astype(np.float32) * 3
+        got = reference(B, s, z, b, K, N, bs, A)
+        want = dequantized(B, s, z, b, K, N, bs, A)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+
+
+SHAPES = [(300, 37, 32), (1536, 64, 128), (1000, 61, 64), (512, 33, 256), (128, 16, 128)]
+ROWS = list(range(1, 17)) + [64, 70, 128]
+
+
+@built
+@pytest.mark.parametrize("path", ["scalar"] + all_x86_paths() + ["neon-dotprod"])
+def test_each_path_gives_the_reference_bits_and_rows_that_ignore_their_call(path):
+    if path not in int4.paths():
+        pytest.skip(f"path {path} is not on this CPU ({platform.machine()}; here: {', '.join(int4.paths())})")
+    rng = np.random.default_rng(1)
+    for i, (K, N, bs) in enumerate(SHAPES):
+        B, s, z, b = weights(rng, K, N, bs, zero_points=i % 2 == 0, bias=i % 3 == 0)
+        w = Packed(B, s, z, b, K, N, bs)
+        A = rng.standard_normal((max(ROWS), K)).astype(np.float32) * rng.uniform(0.1, 10, (max(ROWS), 1)).astype(np.float32)
+        want = reference(B, s, z, b, K, N, bs, A)
+        for M in ROWS:
+            np.testing.assert_array_equal(w(A[:M], path), want[:M], err_msg=f"K={K} N={N} bs={bs} M={M}")
+        # any row, at any place in a call of any size: its own bits
+        order = rng.permutation(13)
+        np.testing.assert_array_equal(w(A[order], path), want[order])
+        for r in (0, 5, 12):
+            np.testing.assert_array_equal(w(A[r:r + 1], path)[0], want[r])
+
+
+@built
+def test_odd_activations():
+    """Zero blocks, inf and NaN: a zero row gives the bias; inf or NaN in a row make that row NaN."""
+    rng = np.random.default_rng(2)
+    K, N, bs = 256, 20, 128
+    B, s, z, b = weights(rng, K, N, bs, bias=True)
+    w = Packed(B, s, z, b, K, N, bs)
+    A = rng.standard_normal((4, K)).astype(np.float32)
+    A[0] = 0
+    A[1, :128] = 0  # one zero block
+    A[2, 7] = np.inf
+    A[3, 200] = np.nan
+    for path in int4.paths():
+        Y = w(A, path)
+        np.testing.assert_array_equal(Y[0], b)
+        assert np.isfinite(Y[1]).all() and np.isnan(Y[2]).all() and np.isnan(Y[3]).all()
+        np.testing.assert_array_equal(Y[1], reference(B, s, z, b, K, N, bs, A[1:2])[0])
+
+
+# ---------------------------------------------------------------- the custom operator in onnxruntime
+
+
+def _matmulnbits(path: Path, K, N, bs, B, scales, zp, bias=None, level=4, extra=None):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales, "scales")]
+    inputs = ["A", "B", "scales"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, "zp"))
+    inputs.append("zp" if zp is not None else "")
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+        inputs += ["", "bias"]
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=K, N=N, bits=4, block_size=bs,
+                            accuracy_level=level, **(extra or {}))
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", K])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", N])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
+    return path
+
+
+def _session(path: Path, choice: str, threads: int = 1):
+    import onnxruntime as ort
+
+    from specrt.engines.ort import session_options
+
+    so = session_options(threads)
+    source, kernel = int4.session_source(path, so, choice)
+    return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"]), kernel
+
+
+@built
+@pytest.mark.parametrize("zp,bias", [(True, False), (False, True)])
+def test_the_operator_computes_what_matmulnbits_computes(tmp_path, zp, bias):
+    rng = np.random.default_rng(3)
+    K, N, bs = 1000, 300, 128
+    B, s, z, b = weights(rng, K, N, bs, zp, bias)
+    path = _matmulnbits(tmp_path / "m.onnx", K, N, bs, B, s, z, b)
+    ours, kernel = _session(path, "auto", threads=2)
+    theirs, off = _session(path, "off")
+    assert kernel.swapped == kernel.total == 1 and kernel.path == int4.paths()[0]
+    assert off.swapped == 0 and "SPECRT_INT4_KERNEL=off" in off.why
+    for shape in ((1, 1), (1, 5), (2, 9), (1, 64), (3, 0)):
+        A = rng.standard_normal((*shape, K)).astype(np.float32)
+        y, want = ours.run(None, {"A": A})[0], theirs.run(None, {"A": A})[0]
+        assert y.shape == want.shape == (*shape, N)
+        if y.size:
+            # onnxruntime quantizes the activations per block the same way; only the order of its sums differs
+            np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+            np.testing.assert_array_equal(y.reshape(-1, N), reference(B, s, z, b, K, N, bs, A.reshape(-1, K)))
+
+
+@built
+def test_threads_split_columns_not_bits(tmp_path):
+    rng = np.random.default_rng(4)
+    K, N, bs = 1536, 2048, 128
+    path = _matmulnbits(tmp_path / "m.onnx", K, N, bs, *weights(rng, K, N, bs)[:3])
+    one, _ = _session(path, "auto", threads=1)
+    two, _ = _session(path, "auto", threads=2)
+    A = rng.standard_normal((1, 20, K)).astype(np.float32)
+    np.testing.assert_array_equal(one.run(None, {"A": A})[0], two.run(None, {"A": A})[0])
+
+
+@built
+def test_nodes_the_kernel_does_not_take_stay_onnxruntimes(tmp_path):
+    rng = np.random.default_rng(5)
+    K, N = 256, 40
+    cases = {"accuracy level 0": dict(bs=128, level=0), "block size 16": dict(bs=16, level=4)}
+    for why, c in cases.items():
+        B, s, z, _ = weights(rng, K, N, c["bs"])
+        path = _matmulnbits(tmp_path / f"{c['bs']}-{c['level']}.onnx", K, N, c["bs"], B, s, z, level=c["level"])
+        sess, kernel = _session(path, "auto")
+        assert kernel.swapped == 0 and kernel.total == 1 and why in kernel.why, kernel
+        assert why in kernel.describe() and "onnxruntime MatMulNBits" in kernel.describe()
+        assert sess.run(None, {"A": rng.standard_normal((1, 2, K)).astype(np.float32)})[0].shape == (1, 2, N)
+
+
+@built
+def test_a_path_that_cannot_run_here_is_refused(tmp_path):
+    from specrt.errors import PairError
+
+    rng = np.random.default_rng(6)
+    path = _matmulnbits(tmp_path / "m.onnx", 128, 16, 128, *weights(rng, 128, 16, 128)[:3])
+    missing = next(p for p in ("avx512vnni", "neon-dotprod", "avx2") if p not in int4.paths())
+    with pytest.raises(PairError, match=f"SPECRT_INT4_KERNEL={missing}"):
+        _session(path, missing)
+
+
+def test_without_the_library_onnxruntime_runs_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(int4, "library", lambda: None)
+    monkeypatch.setattr(int4, "HERE", tmp_path)
+    (tmp_path / "_int4.build-error.txt").write_text("CompileError: command 'g++' failed\n")
+    rng = np.random.default_rng(7)
+    path = _matmulnbits(tmp_path / "m.onnx", 128, 16, 128, *weights(rng, 128, 16, 128)[:3])
+    sess, kernel = _session(path, "auto")
+    assert kernel.swapped == 0 and "not built (CompileError: command 'g++' failed)" in kernel.why
+    assert "pip install" in kernel.why
+    assert sess.run(None, {"A": np.ones((1, 1, 128), np.float32)})[0].shape == (1, 1, 16)
+
+
+def test_the_build_without_a_compiler_installs_and_says_why(tmp_path):
+    """setup.py's optional build: a compiler that fails leaves no library and a note, and the build succeeds."""
+    env = {**os.environ, "CC": "false", "CXX": "false"}
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "int4 kernel library was not built" in r.stdout + r.stderr
+    note = tmp_path / "lib" / "specrt" / "engines" / "_int4.build-error.txt"
+    assert note.is_file() and note.read_text().strip()
+    assert not list((tmp_path / "lib").rglob("_int4*.so"))
+
+
+# ---------------------------------------------------------------- the Arm path, cross-built, under qemu-user
+
+ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+
+
+@pytest.mark.skipif(not (ARM_CXX and QEMU), reason="needs Debian's g++-aarch64-linux-gnu and qemu-user "
+                                                    "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+@pytest.mark.parametrize("cpu,paths", [("max", "neon-dotprod,scalar"), ("cortex-a72", "scalar")])
+def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
+    kernels = ROOT / "specrt" / "engines" / "kernels"
+    sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc")]
+    exe = tmp_path / "int4_check"
+    subprocess.run([ARM_CXX, "-O2", "-std=c++17", "-ffp-contract=off", "-static", "-o", str(exe),
+                    str(ROOT / "tests" / "native" / "int4_check.cc"), *map(str, sources)], check=True)
+    r = subprocess.run([QEMU, "-cpu", cpu, str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    assert f"paths: {paths}" in r.stdout  # a Cortex-A72 has no dot-product instructions: only the reference
