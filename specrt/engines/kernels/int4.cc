@@ -70,7 +70,6 @@ void release(Packed* w) {
 void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out) {
   for (int r = row0; r < row0 + rows; ++r) {
     const float* a = A + (size_t)r * lda;
-    int8_t* q = out.q + (size_t)r * out.Kp;
     for (int b = 0; b < out.nblk; ++b) {
       const int k0 = b * bs, k1 = k0 + bs < K ? k0 + bs : K;
       float amax = 0.0f;
@@ -82,7 +81,7 @@ void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int 
       }
       int sum = 0;
       if (amax == 0.0f || !finite) {
-        memset(q + k0, 0, bs);
+        for (int k = k0; k < k0 + bs; k += 8) memset(out.at(r, k), 0, 8);
         // a block of zeros adds nothing; inf or NaN in A make the whole output row NaN, as a float matmul would
         out.scale[(size_t)r * out.nblk + b] = finite ? 0.0f : NAN;
       } else {
@@ -90,10 +89,10 @@ void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int 
         for (int k = k0; k < k1; ++k) {
           float v = std::nearbyint(a[k] * inv);  // the default rounding mode: half to even
           v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-          q[k] = (int8_t)v;
+          *out.at(r, k) = (int8_t)v;
           sum += (int)v;
         }
-        memset(q + k1, 0, k0 + bs - k1);
+        for (int k = k1; k < k0 + bs; ++k) *out.at(r, k) = 0;
         out.scale[(size_t)r * out.nblk + b] = amax / 127.0f;
       }
       out.sum[(size_t)r * out.nblk + b] = (float)sum;
@@ -106,7 +105,6 @@ void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p
   for (int p = p0; p < p1; ++p) {
     for (int r = r0; r < r0 + nr; ++r) {
       float acc[kPanel] = {0};
-      const int8_t* q = a.q + (size_t)r * a.Kp;
       for (int b = 0; b < w.nblk; ++b) {
         const uint8_t* blk = w.data + ((size_t)p * w.nblk + b) * w.block_bytes;
         const float* sc = (const float*)(blk + (size_t)w.bs * 8);
@@ -116,7 +114,7 @@ void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p
         for (int c = 0; c < kPanel; ++c) {
           int dot = 0;
           for (int s = 0; s < w.bs / 8; ++s) {
-            const int8_t* qk = q + b * w.bs + s * 8;
+            const int8_t* qk = a.at(r, b * w.bs + s * 8);
             for (int i = 0; i < 4; ++i) {
               const uint8_t v = blk[(size_t)s * 64 + 4 * c + i];
               dot += (v & 15) * qk[i] + (v >> 4) * qk[4 + i];
@@ -216,9 +214,8 @@ void reference(const uint8_t* B, const float* scales, const uint8_t* zp, const f
       float acc = 0.0f;
       for (int b = 0; b < nblk; ++b) {
         const uint8_t* w = B + ((size_t)n * nblk + b) * blob;
-        const int8_t* qa = a.q + (size_t)r * a.Kp + (size_t)b * bs;
         int dot = 0;
-        for (int k = 0; k < bs; ++k) dot += nibble(w, k) * qa[k];
+        for (int k = 0; k < bs; ++k) dot += nibble(w, k) * *a.at(r, b * bs + k);
         const int z = zp ? nibble(zp + (size_t)n * zrow, b) : 8;
         const float d = (float)(dot - z * (int)sums[(size_t)r * nblk + b]);
         acc = std::fma(d, scales[(size_t)n * nblk + b] * s_a[(size_t)r * nblk + b], acc);

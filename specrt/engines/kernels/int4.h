@@ -31,12 +31,14 @@ struct Packed {
   float* bias = nullptr;    // [N], or null
 };
 
-// The activations of one call, quantized (step 1 above).
+// The activations of one call, quantized (step 1 above). The int8 values are stored by 8 (one step of a
+// block) and then by row, so that a tile reaches all its rows' bytes of a step from one address.
 struct Acts {
   int M = 0, Kp = 0, nblk = 0;  // Kp = nblk * bs: rows are zero-padded to whole blocks
-  int8_t* q = nullptr;      // [M][Kp]
+  int8_t* q = nullptr;      // [Kp / 8][M][8]
   float* scale = nullptr;   // [M][nblk]
   float* sum = nullptr;     // [M][nblk], exact integers
+  int8_t* at(int r, int k) const { return q + ((size_t)(k >> 3) * M + r) * 8 + (k & 7); }  // value k of row r
 };
 
 // Computes rows [r0, r0 + nr) (nr <= kRowChunk) of panels [p0, p1) into y (row stride ldy floats).

@@ -22,6 +22,7 @@ struct T {
   static V bcast(const int8_t* p) { return vld1q_dup_s32((const int32_t*)(const void*)p); }
   // signed x signed bytes: the weights' nibbles (0..15) are valid signed bytes
   static V dot(V acc, V w, V a) { return vdotq_s32(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(a)); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V acc) { return vaddq_s32(s32, acc); }
   static F cvt(V v) { return vcvtq_f32_s32(v); }
   static F loadf(const float* p) { return vld1q_f32(p); }

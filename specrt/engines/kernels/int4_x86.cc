@@ -16,7 +16,7 @@ namespace specrt {
 // 256-bit lanes: 8 columns a vector. Without VNNI, u8 x s8 pairs are summed to 16 bits (vpmaddubsw) and
 // widened to 32 bits once per 4 steps (vpmaddwd).
 #define SPECRT_YMM_TRAITS                                                                               \
-  static constexpr int L = 8, R = 4;                                                                  \
+  static constexpr int L = 8;                                                                         \
   using V = __m256i;                                                                                  \
   using F = __m256;                                                                                   \
   static V zero() { return _mm256_setzero_si256(); }                                                 \
@@ -33,7 +33,7 @@ namespace specrt {
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
 
 #define SPECRT_ZMM_TRAITS                                                                               \
-  static constexpr int L = 16, R = 8;                                                                 \
+  static constexpr int L = 16;                                                                       \
   using V = __m512i;                                                                                  \
   using F = __m512;                                                                                   \
   static V zero() { return _mm512_setzero_si512(); }                                                 \
@@ -57,7 +57,6 @@ static void quantize_avx2(const float* A, size_t lda, int row0, int rows, int K,
   const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(3.402823466e38f);
   for (int r = row0; r < row0 + rows; ++r) {
     const float* a = A + (size_t)r * lda;
-    int8_t* q = out.q + (size_t)r * out.Kp;
     for (int b = 0; b < out.nblk; ++b) {
       const int k0 = b * bs, k1 = k0 + bs < K ? k0 + bs : K;
       int k = k0;
@@ -79,7 +78,7 @@ static void quantize_avx2(const float* A, size_t lda, int row0, int rows, int K,
       }
       const size_t at = (size_t)r * out.nblk + b;
       if (amax == 0.0f || !finite) {
-        memset(q + k0, 0, bs);
+        for (k = k0; k < k0 + bs; k += 8) memset(out.at(r, k), 0, 8);
         out.scale[at] = finite ? 0.0f : NAN;
         out.sum[at] = 0.0f;
         continue;
@@ -93,7 +92,7 @@ static void quantize_avx2(const float* A, size_t lda, int row0, int rows, int K,
         v = _mm256_max_epi32(_mm256_min_epi32(v, hi), lo);
         vsum = _mm256_add_epi32(vsum, v);
         const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        _mm_storel_epi64((__m128i*)(q + k), _mm_packs_epi16(w16, w16));
+        _mm_storel_epi64((__m128i*)out.at(r, k), _mm_packs_epi16(w16, w16));
       }
       int sums[8], sum = 0;
       _mm256_storeu_si256((__m256i*)sums, vsum);
@@ -101,10 +100,10 @@ static void quantize_avx2(const float* A, size_t lda, int row0, int rows, int K,
       for (; k < k1; ++k) {
         float v = std::nearbyint(a[k] * inv);
         v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        q[k] = (int8_t)v;
+        *out.at(r, k) = (int8_t)v;
         sum += (int)v;
       }
-      memset(q + k1, 0, k0 + bs - k1);
+      for (k = k1; k < k0 + bs; ++k) *out.at(r, k) = 0;
       out.scale[at] = amax / 127.0f;
       out.sum[at] = (float)sum;
     }
@@ -114,12 +113,14 @@ static void quantize_avx2(const float* A, size_t lda, int row0, int rows, int K,
 namespace x86_avx2 {
 struct T {
   SPECRT_YMM_TRAITS
+  static constexpr int R = 4;  // 8 accumulators, 4 weight vectors, a broadcast and the mask: 14 of 16 registers
   static constexpr bool kWide = false;
   static V dot(V acc, V w, V a) {
     acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, a));
     __asm__("" : "+x"(acc));  // keeps the sums in the written order, so each accumulator stays in a register
     return acc;
   }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V s16) { return _mm256_add_epi32(s32, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
 };
 #include "int4_tile.inc"
@@ -131,8 +132,10 @@ struct T {
 namespace x86_avxvnni {
 struct T {
   SPECRT_YMM_TRAITS
+  static constexpr int R = 4;
   static constexpr bool kWide = true;
   static V dot(V acc, V w, V a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V acc) { return _mm256_add_epi32(s32, acc); }
 };
 #include "int4_tile.inc"
@@ -144,8 +147,10 @@ struct T {
 namespace x86_avx512 {
 struct T {
   SPECRT_ZMM_TRAITS
+  static constexpr int R = 8;  // 16- and 32-bit accumulators per row
   static constexpr bool kWide = false;
   static V dot(V acc, V w, V a) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, a)); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V s16) { return _mm512_add_epi32(s32, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
 };
 #include "int4_tile.inc"
@@ -157,8 +162,15 @@ struct T {
 namespace x86_avx512vnni {
 struct T {
   SPECRT_ZMM_TRAITS
+  static constexpr int R = 16;  // one accumulator per row: a 9-row verify pass is one tile
   static constexpr bool kWide = true;
   static V dot(V acc, V w, V a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  // vpdpbusd with its activation word broadcast from memory by the instruction itself ({1to16}): no
+  // broadcast instruction of its own, and the accumulator stays in its register
+  static V dotp(V acc, V w, const int8_t* p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)(const void*)p));
+    return acc;
+  }
   static V fold(V s32, V acc) { return _mm512_add_epi32(s32, acc); }
 };
 #include "int4_tile.inc"
