@@ -9,8 +9,13 @@
 #include <string>
 #include <vector>
 
+#include <mutex>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -23,6 +28,71 @@ const char* const kPathNames[kPaths] = {"avx512vnni", "avx512", "avxvnni", "avx2
 
 static inline int nibble(const uint8_t* row, int k) { return (row[k >> 1] >> ((k & 1) * 4)) & 15; }
 
+// Packed weights are carved from large chunks backed by transparent huge pages where the OS offers them: a
+// one-row pass streams every weight once, and with 4 KB pages each page of it costs a TLB walk. Measured
+// here: a one-row matmul over 110 MB of weights 10-17% faster, the 1.5B target's one-token pass 2-6%
+// faster, for ~45 MB more resident memory (whole 2 MB pages). A chunk holds the weights packed one after
+// another and is freed with the last of them; untouched memory at a chunk's end is never resident.
+namespace {
+struct Chunk {
+  uint8_t* base = nullptr;
+  size_t size = 0, used = 0;
+  int live = 0;
+};
+constexpr size_t kHuge = (size_t)2 << 20, kChunk = (size_t)256 << 20;
+std::mutex g_chunks;
+Chunk* g_current = nullptr;
+
+uint8_t* map_chunk(size_t size) {
+#if defined(__linux__)
+  void* p = mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  const uintptr_t at = ((uintptr_t)p + kHuge - 1) / kHuge * kHuge;  // aligned to a huge page
+  if (at > (uintptr_t)p) munmap(p, at - (uintptr_t)p);
+  if ((uintptr_t)p + size + kHuge > at + size) munmap((void*)(at + size), (uintptr_t)p + size + kHuge - at - size);
+  madvise((void*)at, size, MADV_HUGEPAGE);
+  return (uint8_t*)at;
+#else
+  void* p = nullptr;
+  return posix_memalign(&p, 64, size) ? nullptr : (uint8_t*)p;
+#endif
+}
+
+void unmap_chunk(Chunk* c) {
+#if defined(__linux__)
+  munmap(c->base, c->size);
+#else
+  free(c->base);
+#endif
+  delete c;
+}
+
+uint8_t* chunk_alloc(size_t bytes, void** owner) {
+  bytes = (bytes + 63) / 64 * 64;
+  std::lock_guard<std::mutex> lock(g_chunks);
+  if (!g_current || g_current->size - g_current->used < bytes) {
+    Chunk* c = new Chunk;
+    c->size = bytes > kChunk ? (bytes + kHuge - 1) / kHuge * kHuge : kChunk;
+    c->base = map_chunk(c->size);
+    if (!c->base) return delete c, nullptr;
+    if (g_current && !g_current->live) unmap_chunk(g_current);
+    g_current = c;
+  }
+  uint8_t* p = g_current->base + g_current->used;
+  g_current->used += bytes;
+  g_current->live++;
+  *owner = g_current;
+  return p;
+}
+
+void chunk_free(void* owner) {
+  if (!owner) return;
+  std::lock_guard<std::mutex> lock(g_chunks);
+  Chunk* c = (Chunk*)owner;
+  if (--c->live == 0 && c != g_current) unmap_chunk(c);
+}
+}  // namespace
+
 bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
           Packed* out) {
   Packed w;
@@ -31,10 +101,10 @@ bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float*
   w.npanel = (N + kPanel - 1) / kPanel;
   w.block_bytes = (size_t)bs * 8 + 2 * kPanel * sizeof(float);
   const size_t bytes = (size_t)w.npanel * w.nblk * w.block_bytes;
-  if (posix_memalign((void**)&w.data, 64, bytes ? bytes : 64)) return false;
+  if (!(w.data = chunk_alloc(bytes ? bytes : 64, &w.chunk))) return false;
   if (bias) {
     w.bias = (float*)malloc(sizeof(float) * N);
-    if (!w.bias) return free(w.data), false;
+    if (!w.bias) return chunk_free(w.chunk), false;
     memcpy(w.bias, bias, sizeof(float) * N);
   }
   const int blob = bs / 2, zrow = (w.nblk + 1) / 2;
@@ -62,7 +132,7 @@ bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float*
 }
 
 void release(Packed* w) {
-  free(w->data);
+  chunk_free(w->chunk);
   free(w->bias);
   *w = Packed();
 }

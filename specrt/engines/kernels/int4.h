@@ -29,6 +29,7 @@ struct Packed {
   size_t block_bytes = 0;  // bs * 8 + 128
   uint8_t* data = nullptr;  // npanel * nblk * block_bytes bytes, 64-byte aligned
   float* bias = nullptr;    // [N], or null
+  void* chunk = nullptr;    // the memory data lies in (int4.cc)
 };
 
 // The activations of one call, quantized (step 1 above). The int8 values are stored by 8 (one step of a
