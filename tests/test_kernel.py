@@ -102,6 +102,8 @@ def test_every_path_the_cpu_has_is_offered():
             assert name in usable, f"this CPU has {sorted(need)} but the library offers {usable}"
     if "asimddp" in flags:
         assert "neon-dotprod" in usable
+    if {"asimddp", "i8mm"} <= flags:
+        assert "neon-i8mm" in usable
     assert int4.unavailable() is None or not [p for p in usable if p != "scalar"]
 
 
@@ -121,7 +123,7 @@ ROWS = list(range(1, 17)) + [64, 70, 128]
 
 
 @built
-@pytest.mark.parametrize("path", ["scalar"] + all_x86_paths() + ["neon-dotprod"])
+@pytest.mark.parametrize("path", ["scalar"] + all_x86_paths() + ["neon-dotprod", "neon-i8mm"])
 def test_each_path_gives_the_reference_bits_and_rows_that_ignore_their_call(path):
     if path not in int4.paths():
         pytest.skip(f"path {path} is not on this CPU ({platform.machine()}; here: {', '.join(int4.paths())})")
@@ -281,7 +283,8 @@ ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch6
 
 @pytest.mark.skipif(not (ARM_CXX and QEMU), reason="needs Debian's g++-aarch64-linux-gnu and qemu-user "
                                                     "(apt-get install g++-aarch64-linux-gnu qemu-user)")
-@pytest.mark.parametrize("cpu,paths", [("max", "neon-dotprod,scalar"), ("cortex-a72", "scalar")])
+@pytest.mark.parametrize("cpu,paths", [("max", "neon-i8mm,neon-dotprod,scalar"), ("cortex-a76", "neon-dotprod,scalar"),
+                                       ("cortex-a72", "scalar")])
 def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
     kernels = ROOT / "specrt" / "engines" / "kernels"
     sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc")]
@@ -290,4 +293,131 @@ def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
                     str(ROOT / "tests" / "native" / "int4_check.cc"), *map(str, sources)], check=True)
     r = subprocess.run([QEMU, "-cpu", cpu, str(exe)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
-    assert f"paths: {paths}" in r.stdout  # a Cortex-A72 has no dot-product instructions: only the reference
+    # a Cortex-A76 has the dot-product instructions but not i8mm, an A72 neither: only the reference
+    assert f"paths: {paths}" in r.stdout
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _gqa_graph(path: Path, H: int, Hkv: int, D: int, C: int, cos, sin, scale: float):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inputs = ["qkv", "", "", "past_key", "past_value", "seqlens_k", "total", "cos", "sin"] + [""] * 7 + ["qlens"]
+    node = helper.make_node("GroupQueryAttention", inputs, ["out", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=H, kv_num_heads=Hkv, scale=scale, do_rotary=1,
+                            rotary_interleaved=0)
+    f, i32 = TensorProto.FLOAT, TensorProto.INT32
+    g = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("qkv", f, ["b", "s", (H + 2 * Hkv) * D]),
+         helper.make_tensor_value_info("past_key", f, ["b", Hkv, C, D]),
+         helper.make_tensor_value_info("past_value", f, ["b", Hkv, C, D]),
+         helper.make_tensor_value_info("seqlens_k", i32, ["b"]), helper.make_tensor_value_info("total", i32, [1]),
+         helper.make_tensor_value_info("qlens", i32, ["b"])],
+        [helper.make_tensor_value_info("out", f, ["b", "s", H * D]),
+         helper.make_tensor_value_info("present_key", f, ["b", Hkv, C, D]),
+         helper.make_tensor_value_info("present_value", f, ["b", Hkv, C, D])],
+        [numpy_helper.from_array(cos, "cos"), numpy_helper.from_array(sin, "sin")])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]),
+              str(path))
+    return path
+
+
+def _attention_case(rng, H=4, Hkv=2, D=32, C=48):
+    pos = np.arange(C)[:, None] / (10000 ** (np.arange(D // 2) / (D // 2)))
+    cos, sin = np.cos(pos).astype(np.float32), np.sin(pos).astype(np.float32)
+    return H, Hkv, D, C, cos, sin
+
+
+@built
+def test_attention_computes_what_groupqueryattention_computes(tmp_path):
+    rng = np.random.default_rng(8)
+    H, Hkv, D, C, cos, sin = _attention_case(rng)
+    path = _gqa_graph(tmp_path / "gqa.onnx", H, Hkv, D, C, cos, sin, 1 / np.sqrt(D))
+    ours, kernel = _session(path, "auto")
+    theirs, off = _session(path, "off")
+    assert kernel.attention == kernel.attention_total == 1 and off.attention == 0
+    B, S = 3, 5
+    n = np.array([5, 2, 1], np.int32)  # new tokens per row (ragged), after pasts of 0, 17 and 30 entries
+    past = np.array([0, 17, 30])
+    cache_k = rng.standard_normal((B, Hkv, C, D)).astype(np.float32)
+    cache_v = rng.standard_normal((B, Hkv, C, D)).astype(np.float32)
+    feeds = {"qkv": rng.standard_normal((B, S, (H + 2 * Hkv) * D)).astype(np.float32), "past_key": cache_k,
+             "past_value": cache_v, "seqlens_k": (past + n - 1).astype(np.int32), "total": np.array([C], np.int32),
+             "qlens": n}
+    got, want = ours.run(None, feeds), theirs.run(None, feeds)
+    for b in range(B):
+        np.testing.assert_allclose(got[0][b, :n[b]], want[0][b, :n[b]], rtol=1e-4, atol=2e-5)
+        assert not got[0][b, n[b]:].any()  # padding positions: zeros
+        end = past[b] + n[b]
+        for o in (1, 2):  # the caches: the past kept, the new entries written (keys after the rotary embedding)
+            np.testing.assert_allclose(got[o][b, :, :end], want[o][b, :, :end], rtol=1e-5, atol=1e-6)
+
+
+@built
+def test_attention_rows_ignore_the_pass(tmp_path):
+    """A query row's output and the cache entries it writes are the same bits alone, in a wider pass, or
+    beside other rows of a batch."""
+    rng = np.random.default_rng(9)
+    H, Hkv, D, C, cos, sin = _attention_case(rng, H=6, Hkv=2, D=64, C=80)
+    path = _gqa_graph(tmp_path / "gqa.onnx", H, Hkv, D, C, cos, sin, 0.125)
+    ours, _ = _session(path, "auto", threads=2)
+    qkv = rng.standard_normal((1, 9, (H + 2 * Hkv) * D)).astype(np.float32)
+    cache = [rng.standard_normal((1, Hkv, C, D)).astype(np.float32) for _ in range(2)]
+    P = 40
+
+    def run(first, width, batch_with=None, past=cache):
+        q = qkv[:, first:first + width]
+        feeds = {"qkv": q, "past_key": past[0], "past_value": past[1], "total": np.array([C], np.int32),
+                 "seqlens_k": np.array([P + first + width - 1], np.int32), "qlens": np.array([width], np.int32)}
+        if batch_with is not None:  # a second row before it, of another length
+            other = rng.standard_normal((1, width, q.shape[2])).astype(np.float32)
+            feeds.update(qkv=np.concatenate([other, q]), past_key=np.concatenate([past[0], past[0]]),
+                         past_value=np.concatenate([past[1], past[1]]),
+                         seqlens_k=np.array([10 + width - 1, P + first + width - 1], np.int32),
+                         qlens=np.array([width, width], np.int32))
+        out = ours.run(None, feeds)
+        return [o[-1:] for o in out]
+
+    wide = run(0, 9)
+    past = cache
+    for i in range(9):  # the same tokens one at a time, each pass's caches the next one's past
+        step = run(i, 1, past=past)
+        np.testing.assert_array_equal(step[0][0, 0], wide[0][0, i])
+        past = step[1:]
+    for o in (1, 2):
+        np.testing.assert_array_equal(past[o - 1], wide[o])
+    batched = run(0, 9, batch_with=True)
+    for o in range(3):
+        np.testing.assert_array_equal(batched[o], wide[o])
+
+
+@pytest.mark.parametrize("which", ["int4_default_pair", "qwen_pair"])
+def test_a_token_verified_in_a_wide_pass_has_its_logits_alone(request, which):
+    """Through specrt's kernels a token's logits are the same bits decoded alone, verified in a pass of
+    k + 1 tokens, at any position: int4 (every matmul and attention node specrt's) and fp32 (attention
+    specrt's, onnxruntime's float matmuls rounding as they do)."""
+    pair = request.getfixturevalue(which)
+    e = pair.target
+    if which == "qwen_pair" or int4.library() is None:
+        exact = False
+    else:
+        exact = e.kernel.invariant
+        assert exact, e.kernel
+    rng = np.random.default_rng(10)
+    ids = rng.integers(3, pair.manifest.vocab_size, 80)
+    with pair.exclusive():
+        for P in (1, 17, 40, 63):
+            e.truncate(0)
+            e.forward(ids[None, :P], np.array([P - 1]))
+            alone = [e.forward(ids[None, P + i:P + i + 1], np.array([0]))[0, 0].copy() for i in range(9)]
+            for k in (2, 5, 9):
+                e.truncate(P)
+                wide = e.forward(ids[None, P:P + k], np.arange(k))[0]
+                for i in range(k):
+                    if exact:
+                        np.testing.assert_array_equal(wide[i], alone[i], err_msg=f"P={P} k={k} row {i}")
+                    else:
+                        np.testing.assert_allclose(wide[i], alone[i], atol=1e-4)

@@ -76,17 +76,16 @@ def _whole_and_split(pair, split: int):
 
 
 @pytest.mark.parametrize("split", [1, 2, 33, 45])
-def test_specrts_int4_kernel_reads_rows_the_same_in_any_passes(int4_default_pair, split):
-    """With specrt's kernel (engines/int4.py) a row's numbers do not depend on the pass around it: the first
-    layer's keys and values (the embedding through the qkv matmul into the cache, nothing shared between
-    rows) are bit for bit those of a one-pass read, however the prompt is cut. The layers after it see
-    GroupQueryAttention, whose own CPU kernel rounds a row by the pass's width (docs/kernel.md), so the chunk
-    rule above stays."""
-    assert int4_default_pair.target.kernel.swapped == int4_default_pair.target.kernel.total > 0
-    (_, whole), (_, cut) = _whole_and_split(int4_default_pair, split)
-    layers = int4_default_pair.target.entry.num_layers
-    np.testing.assert_array_equal(whole[0], cut[0])  # keys of layer 0
-    np.testing.assert_array_equal(whole[layers], cut[layers])  # values of layer 0
+def test_specrts_kernels_read_a_prompt_the_same_in_any_passes(int4_default_pair, split):
+    """With specrt's kernels (engines/int4.py: every matmul and attention node) a row's numbers do not depend
+    on the pass around it: a prompt read in two passes cut anywhere gives the one-pass read's logits and
+    cache, bit for bit. (onnxruntime's own MatMulNBits and GroupQueryAttention round a row by the pass's
+    width, and int8 activations carry a last-bit difference up to ~0.3 in a logit of the 1.5B target: what
+    runtime/prefix.py's whole chunks guard against.)"""
+    assert int4_default_pair.target.kernel.invariant, int4_default_pair.target.kernel
+    (whole, whole_cache), (split_logits, split_cache) = _whole_and_split(int4_default_pair, split)
+    np.testing.assert_array_equal(whole, split_logits)
+    np.testing.assert_array_equal(whole_cache, split_cache)
 
 
 def test_reusable_bounds():

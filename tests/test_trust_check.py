@@ -76,6 +76,15 @@ def test_noise_threshold_follows_the_quantization(qwen_pair):
         == "numerical"
     assert chk.classify({"equal": False, "margin": -0.01}, e) == "numerical"
     assert chk.classify({"equal": True, "margin": None}, e) == "equal"
+    # specrt's kernels on every matmul and attention node: a row's numbers do not depend on the pass, so
+    # only an exact tie may part the two decodes
+    from specrt.engines.int4 import Kernel
+
+    e4 = dataclasses.replace(e, precision="int4", quantization={**q, "accuracy_level": 4})
+    assert chk.noise_threshold(e4, Kernel("avx2", 17, 17, None, 4, 4))[0] == 1e-6
+    assert chk.classify({"equal": False, "margin": 0.001}, e4, Kernel("avx2", 17, 17, None, 4, 4)) == "BUG"
+    assert chk.noise_threshold(e4, Kernel("avx2", 17, 17, None, 0, 4, "x"))[0] == 1.0  # attention onnxruntime's
+    assert chk.noise_threshold(e4, Kernel(None, 0, 17, "off", 0, 4, "off"))[0] == 1.0
 
 
 def test_second_token_test_passes_on_correct_decoding(stat_pair):

@@ -76,7 +76,7 @@ def format_info(d: dict) -> str:
                  "contrib": "exported by an older specrt: re-export for the lean graph (faster, and batches)"}
         lines.append(f"           graph {graph.get(e['graph'], e['graph'])}")
         if e.get("int4_kernel"):
-            lines.append(f"           int4 matmuls on the CPU: {e['int4_kernel']['describe']}")
+            lines.append(f"           kernels on the CPU: {e['int4_kernel']['describe']}")
     mem = d["memory"]
     per = sum(mem["kv_bytes_per_token"].values())
     lines.append(f"memory:    about {fmt(mem['total'])} to load (estimate)")

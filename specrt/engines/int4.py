@@ -1,14 +1,17 @@
-"""specrt's int4 matmul (specrt/engines/kernels, docs/kernel.md) as onnxruntime's custom operator
-`specrt.Int4MatMul`, put in place of MatMulNBits when the CPU engine loads an int4 graph.
+"""specrt's CPU kernels (specrt/engines/kernels, docs/kernel.md) as onnxruntime custom operators, put in
+place of onnxruntime's when the CPU engine loads a lean graph: `specrt.Int4MatMul` for MatMulNBits and
+`specrt.Attention` for GroupQueryAttention. Both compute each row the same way whatever the pass around it.
 
 The library is built by `pip install` when a C++17 compiler is there. At load, `plan` reads the graph's
-nodes (not its weights) and swaps every MatMulNBits the kernel takes: 4 bits, a block size that is a multiple
-of 32, accuracy level 4 (int8 activations, which is what the kernel computes), constant float weights, no
-g_idx. The others stay onnxruntime's, node by node. The graph file is never changed: the session is made
-from the edited graph in memory, its weights read from the pair folder as before.
+nodes (not its weights) and swaps every node the kernels take. MatMulNBits: 4 bits, a block size that is a
+multiple of 32, accuracy level 4 (int8 activations, which is what the kernel computes), constant float
+weights, no g_idx, on a CPU with one of the kernel's SIMD paths. GroupQueryAttention: float, rotary inside
+(not interleaved), no softcap, local window, smooth softmax, position ids or bias, a head size that is a
+multiple of 16. The others stay onnxruntime's, node by node. The graph file is never changed: the session is
+made from the edited graph in memory, its weights read from the pair folder as before.
 
-`SPECRT_INT4_KERNEL` chooses: "auto" (the default: the best path this CPU runs), "off" (onnxruntime's own
-kernel for every node), or a path name ("avx2", "neon-dotprod", ...: that path or an error).
+`SPECRT_INT4_KERNEL` chooses: "auto" (the default: the best matmul path this CPU runs), "off" (onnxruntime's
+own kernels for every node), or a path name ("avx2", "neon-dotprod", ...: that path or an error).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DOMAIN, OP = "specrt", "Int4MatMul"
+DOMAIN, OP, ATTENTION = "specrt", "Int4MatMul", "Attention"
 ENV = "SPECRT_INT4_KERNEL"
 LIBRARY_ENV = "SPECRT_INT4_LIBRARY"
 HERE = Path(__file__).parent
@@ -30,21 +33,47 @@ BUILD_HINT = ("install a C++17 compiler (g++ or clang++) and run `pip install -e
 @dataclass(frozen=True)
 class Kernel:
     """What computes a graph's int4 matmuls: `path` (the library's, e.g. "avx2") on `swapped` of its `total`
-    MatMulNBits nodes, onnxruntime's MatMulNBits on the rest; `why` says why any node is onnxruntime's."""
+    MatMulNBits nodes, onnxruntime's MatMulNBits on the rest; `why` says why any node is onnxruntime's.
+    Likewise specrt's attention on `attention` of its `attention_total` GroupQueryAttention nodes."""
 
     path: str | None
     swapped: int
     total: int
     why: str | None = None
+    attention: int = 0
+    attention_total: int = 0
+    attention_why: str | None = None
+    other_matmuls: int = 0  # float MatMul/Gemm nodes: onnxruntime's, whose rounding may follow the pass
+
+    @property
+    def invariant(self) -> bool:
+        """Whether every row's numbers are independent of the pass around it: every matmul and attention
+        node is specrt's."""
+        return (self.total > 0 and self.swapped == self.total and self.attention_total > 0
+                and self.attention == self.attention_total and not self.other_matmuls)
 
     def describe(self) -> str:
+        if not self.total and not self.attention_total and self.why:
+            return f"onnxruntime's own ({self.why})"
         if not self.total:
-            return "no int4 matmuls"
-        if self.swapped == self.total:
-            return f"specrt {self.path} ({self.total} MatMulNBits)"
-        if not self.swapped:
-            return f"onnxruntime MatMulNBits ({self.why})"
-        return f"specrt {self.path} on {self.swapped} of {self.total} MatMulNBits; onnxruntime's on the rest ({self.why})"
+            mm = "no int4 matmuls"
+        elif self.swapped == self.total:
+            mm = f"specrt {self.path} ({self.total} MatMulNBits)"
+        elif not self.swapped:
+            mm = f"onnxruntime MatMulNBits ({self.why})"
+        else:
+            mm = f"specrt {self.path} on {self.swapped} of {self.total} MatMulNBits; onnxruntime's on the rest ({self.why})"
+        return mm + "; " + self.describe_attention()
+
+    def describe_attention(self) -> str:
+        if not self.attention_total:
+            return "no attention nodes"
+        if self.attention == self.attention_total:
+            return f"specrt attention ({self.attention} GroupQueryAttention)"
+        if not self.attention:
+            return f"onnxruntime GroupQueryAttention ({self.attention_why})"
+        return (f"specrt attention on {self.attention} of {self.attention_total} GroupQueryAttention; onnxruntime's "
+                f"on the rest ({self.attention_why})")
 
 
 def library() -> Path | None:
@@ -143,42 +172,88 @@ def _refusal(node, inits: dict) -> str | None:
     return None
 
 
+def _attention_refusal(node, inits: dict) -> str | None:
+    """Why specrt's attention does not take this GroupQueryAttention node (None: it does)."""
+    from onnx import TensorProto
+
+    a = _attrs(node)
+    ins = list(node.input) + [""] * (17 - len(node.input))
+    if not a.get("do_rotary") or a.get("rotary_interleaved", 0):
+        return "no rotary or interleaved rotary"
+    if a.get("softcap", 0.0) or a.get("local_window_size", -1) != -1 or a.get("smooth_softmax", 0):
+        return "softcap, local window or smooth softmax"
+    if any(ins[9:16]) or len(node.input) > 17:
+        return "position ids, an attention bias or other extra inputs"
+    cos = inits.get(ins[7])
+    if cos is None or cos.data_type != TensorProto.FLOAT or len(cos.dims) != 2 or (2 * cos.dims[1]) % 16:
+        return "rotary tables that are not float constants of a head size that is a multiple of 16"
+    return None
+
+
 def plan(model_path: Path, choice: str | None = None):
-    """(graph, Kernel): the graph of `model_path` (weights left in their files) with every MatMulNBits the
-    kernel takes swapped for specrt.Int4MatMul, or None when none is (then onnxruntime loads the file as is)."""
-    import onnx
-    from onnx import helper
+    """(graph, Kernel): the graph of `model_path` (weights left in their files) with every MatMulNBits and
+    GroupQueryAttention the kernels take swapped for specrt's, or None when none is (then onnxruntime loads
+    the file as is)."""
+    from specrt.errors import PairError
 
     choice = setting() if choice is None else choice
-    model = onnx.load(os.fspath(model_path), load_external_data=False)
+    try:
+        import onnx
+        from onnx import helper
+    except ImportError:  # a runtime without onnx still runs, on onnxruntime's own kernels
+        why = "the onnx package, which swaps specrt's kernels into the graph, is not installed (pip install onnx)"
+        return None, Kernel(None, 0, 0, why, 0, 0, why)
+    try:
+        model = onnx.load(os.fspath(model_path), load_external_data=False)
+    except Exception as e:  # onnx and protobuf raise their own types for a damaged file
+        raise PairError(f"cannot load {model_path}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-    if not nodes:
+    attn = [n for n in model.graph.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    if not nodes and not attn:
         return None, Kernel(None, 0, 0)
-    if choice == "off":
-        return None, Kernel(None, 0, len(nodes), f"{ENV}=off")
-    why = unavailable()
-    if why:
-        return None, Kernel(None, 0, len(nodes), why)
-    path = chosen_path(choice)
+    off = f"{ENV}=off" if choice == "off" else None
+    built = None if library() is not None else unavailable()
+    if off or built:
+        why = off or built
+        return None, Kernel(None, 0, len(nodes), why if nodes else None, 0, len(attn), why if attn else None)
     inits = {t.name: t for t in model.graph.initializer}
-    refused: dict[str, int] = {}
-    swapped = 0
-    for node in nodes:
-        reason = _refusal(node, inits)
+    path, swapped, refused = None, 0, {}
+    simd = unavailable()  # a CPU without any of the matmul's SIMD paths: onnxruntime's MatMulNBits
+    if nodes and not simd:
+        path = chosen_path(choice)
+        for node in nodes:
+            reason = _refusal(node, inits)
+            if reason:
+                refused[reason] = refused.get(reason, 0) + 1
+                continue
+            a = _attrs(node)
+            ins = list(node.input) + [""] * (6 - len(node.input))
+            node.CopyFrom(helper.make_node(OP, [ins[0], ins[1], ins[2], ins[3], ins[5]], list(node.output),
+                                           name=node.name, domain=DOMAIN, K=a["K"], N=a["N"], bits=4,
+                                           block_size=a["block_size"], path=path))
+            swapped += 1
+    why = simd if nodes else None
+    why = why or "; ".join(f"{n} with {r}" for r, n in refused.items()) or None
+    a_swapped, a_refused = 0, {}
+    for node in attn:  # portable C++: every CPU the library runs on takes it
+        reason = _attention_refusal(node, inits)
         if reason:
-            refused[reason] = refused.get(reason, 0) + 1
+            a_refused[reason] = a_refused.get(reason, 0) + 1
             continue
         a = _attrs(node)
-        ins = list(node.input) + [""] * (6 - len(node.input))
-        new = helper.make_node(OP, [ins[0], ins[1], ins[2], ins[3], ins[5]], list(node.output), name=node.name,
-                               domain=DOMAIN, K=a["K"], N=a["N"], bits=4, block_size=a["block_size"], path=path)
-        node.CopyFrom(new)
-        swapped += 1
-    why = "; ".join(f"{n} with {r}" for r, n in refused.items()) or None
-    if not swapped:
-        return None, Kernel(None, 0, len(nodes), why)
+        ins = list(node.input) + [""] * (17 - len(node.input))
+        node.CopyFrom(helper.make_node(ATTENTION, [*ins[0:6], ins[7], ins[8], ins[16]], list(node.output),
+                                       name=node.name, domain=DOMAIN, num_heads=a["num_heads"],
+                                       kv_num_heads=a["kv_num_heads"], scale=float(a.get("scale", 0.0))))
+        a_swapped += 1
+    a_why = "; ".join(f"{n} with {r}" for r, n in a_refused.items()) or None
+    other = sum(n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") and n.input[1] in inits
+                for n in model.graph.node)
+    kernel = Kernel(path if swapped else None, swapped, len(nodes), why, a_swapped, len(attn), a_why, other)
+    if not swapped and not a_swapped:
+        return None, kernel
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return model, Kernel(path, swapped, len(nodes), why)
+    return model, kernel
 
 
 def session_source(model_path: Path, so, choice: str | None = None):

@@ -113,8 +113,8 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
                  spinning: bool = True, cuda_graph: bool = False):
     """(InferenceSession, note, kernel): the session of one graph on `device`. With `cuda_graph`, onnxruntime
     is asked to capture passes as CUDA graphs; when it refuses, the session runs without and `note` says why.
-    `kernel` (engines/int4.Kernel, or None for a graph without int4 matmuls on the CPU) says what computes
-    the int4 matmuls: on the CPU, specrt's kernel wherever it takes a node."""
+    `kernel` (engines/int4.Kernel; None off the CPU or for other graphs) says what computes the int4 matmuls
+    and the attention: on the CPU, specrt's kernels wherever they take a node."""
     import onnxruntime as ort
 
     if device not in DEVICES:
@@ -139,7 +139,7 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
         if device == "cuda":
             providers = [_cuda_provider(device_id, entry.dtype, capture), "CPUExecutionProvider"]
         so, source = session_options(threads, spinning), os.fspath(path)
-        if device == "cpu" and (entry.quantization or {}).get("method") == "MatMulNBits":
+        if device == "cpu" and entry.graph == "lean":
             from specrt.engines import int4
 
             source, kernel = int4.session_source(path, so)

@@ -69,18 +69,20 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
 
 
 def _int4_kernel(path: Path, e) -> dict | None:
-    """What computes the graph's int4 matmuls on the CPU (engines/int4.py), as the CPU engine would load it;
-    None for a graph without them."""
+    """What computes the graph's matmuls and attention on the CPU (engines/int4.py), as the CPU engine would
+    load it; None for a graph the CPU engine does not run (not a lean graph, or fp16 activations)."""
     from specrt.engines import int4
     from specrt.errors import PairError
 
-    if (e.quantization or {}).get("method") != "MatMulNBits" or e.dtype != "float32":
+    if e.graph != "lean" or e.dtype != "float32":
         return None
     try:
         _, k = int4.plan(path)
     except PairError as ex:
         return {"path": None, "swapped": 0, "total": None, "why": str(ex), "describe": f"refused: {ex}"}
-    return {"path": k.path, "swapped": k.swapped, "total": k.total, "why": k.why, "describe": k.describe()}
+    return {"path": k.path, "swapped": k.swapped, "total": k.total, "why": k.why, "attention": k.attention,
+            "attention_total": k.attention_total, "attention_why": k.attention_why, "invariant": k.invariant,
+            "describe": k.describe()}
 
 
 def _engines(m, ort_version) -> list[dict]:

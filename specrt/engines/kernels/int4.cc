@@ -274,7 +274,7 @@ namespace {
 void reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
                const float* A, int M, float* Y) {
   const int nblk = (K + bs - 1) / bs, blob = bs / 2, zrow = (nblk + 1) / 2;
-  std::vector<int8_t> q((size_t)M * nblk * bs);
+  std::vector<int8_t> q((size_t)M * nblk * bs + kQPad);
   std::vector<float> s_a((size_t)M * nblk), sums((size_t)M * nblk);
   Acts a;
   a.M = M, a.Kp = nblk * bs, a.nblk = nblk, a.q = q.data(), a.scale = s_a.data(), a.sum = sums.data();
@@ -309,7 +309,7 @@ bool self_check(Path path) {
   for (auto& v : A) v = (float)((int)(next() % 20001) - 10000) * 1e-3f;
   Packed w;
   if (!pack(B.data(), sc.data(), zp.data(), bias.data(), K, N, bs, &w)) return false;
-  std::vector<int8_t> q((size_t)M * nblk * bs);
+  std::vector<int8_t> q((size_t)M * nblk * bs + kQPad);
   std::vector<float> sa((size_t)M * nblk), sums((size_t)M * nblk), want((size_t)M * N), got((size_t)M * N);
   Acts a;
   a.M = M, a.Kp = nblk * bs, a.nblk = nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();
@@ -392,7 +392,7 @@ EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* 
   const Packed& w = *(const Packed*)packed;
   const Impl* impl = choose(path, nullptr);
   if (!impl) return -1;
-  std::vector<int8_t> q((size_t)M * w.nblk * w.bs);
+  std::vector<int8_t> q((size_t)M * w.nblk * w.bs + kQPad);
   std::vector<float> sa((size_t)M * w.nblk), sums((size_t)M * w.nblk);
   Acts a;
   a.M = M, a.Kp = w.nblk * w.bs, a.nblk = w.nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();

@@ -18,6 +18,7 @@ namespace specrt {
 
 constexpr int kPanel = 16;     // output columns a packed panel holds
 constexpr int kRowChunk = 64;  // rows whose float accumulators one pass over the weights keeps
+constexpr int kQPad = 16;      // bytes an activation buffer (Acts::q) has past its end
 constexpr int kAhead = 4;      // blocks ahead whose weights a kernel prefetches (measured: 1 row ~8% faster)
 
 // One MatMulNBits weight packed for the kernels. Panel p holds columns [16p, 16p+16) (zero columns pad
@@ -33,7 +34,8 @@ struct Packed {
 };
 
 // The activations of one call, quantized (step 1 above). The int8 values are stored by 8 (one step of a
-// block) and then by row, so that a tile reaches all its rows' bytes of a step from one address.
+// block) and then by row, so that a tile reaches all its rows' bytes of a step from one address. q has
+// kQPad bytes past its end: a path that reads rows in pairs reads past an odd last row.
 struct Acts {
   int M = 0, Kp = 0, nblk = 0;  // Kp = nblk * bs: rows are zero-padded to whole blocks
   int8_t* q = nullptr;      // [Kp / 8][M][8]

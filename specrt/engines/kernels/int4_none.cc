@@ -7,7 +7,6 @@ const Kernel kAvx2Kernel = nullptr, kAvxVnniKernel = nullptr, kAvx512Kernel = nu
 const Quantizer kAvx2Quantize = nullptr;
 #endif
 #if !defined(__aarch64__)
-const Kernel kNeonDotKernel = nullptr;
+const Kernel kNeonDotKernel = nullptr, kNeonI8mmKernel = nullptr;
 #endif
-const Kernel kNeonI8mmKernel = nullptr;
 }  // namespace specrt

@@ -124,6 +124,7 @@ struct T {
   static V fold(V s32, V s16) { return _mm256_add_epi32(s32, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
 };
 #include "int4_tile.inc"
+#include "int4_kernel.inc"
 }  // namespace x86_avx2
 #pragma GCC pop_options
 
@@ -139,6 +140,7 @@ struct T {
   static V fold(V s32, V acc) { return _mm256_add_epi32(s32, acc); }
 };
 #include "int4_tile.inc"
+#include "int4_kernel.inc"
 }  // namespace x86_avxvnni
 #pragma GCC pop_options
 
@@ -154,6 +156,7 @@ struct T {
   static V fold(V s32, V s16) { return _mm512_add_epi32(s32, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
 };
 #include "int4_tile.inc"
+#include "int4_kernel.inc"
 }  // namespace x86_avx512
 #pragma GCC pop_options
 
@@ -174,6 +177,7 @@ struct T {
   static V fold(V s32, V acc) { return _mm512_add_epi32(s32, acc); }
 };
 #include "int4_tile.inc"
+#include "int4_kernel.inc"
 }  // namespace x86_avx512vnni
 #pragma GCC pop_options
 

@@ -25,7 +25,7 @@ struct ApiBase {  // OrtApiBase
   const char* (*GetVersionString)();
 };
 
-enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2 };  // ONNXTensorElementDataType
+enum ElementType : int { kUndefined = 0, kFloat = 1, kUint8 = 2, kInt32 = 6 };  // ONNXTensorElementDataType
 enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };           // OrtErrorCode
 enum Characteristic : int { kRequired = 0, kOptional = 1 };         // OrtCustomOpInputOutputCharacteristic
 
@@ -86,6 +86,9 @@ class Api {
   }
   Status* GetTensorTypeAndShape(const Value* value, TensorInfo** out) const {
     return fn<Status* (*)(const Value*, TensorInfo**)>(65)(value, out);
+  }
+  Status* KernelInfoGetAttribute_float(const KernelInfo* info, const char* name, float* out) const {
+    return fn<Status* (*)(const KernelInfo*, const char*, float*)>(85)(info, name, out);
   }
   Status* KernelInfoGetAttribute_int64(const KernelInfo* info, const char* name, int64_t* out) const {
     return fn<Status* (*)(const KernelInfo*, const char*, int64_t*)>(86)(info, name, out);

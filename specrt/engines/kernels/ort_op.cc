@@ -1,9 +1,17 @@
-// specrt.Int4MatMul: the kernel of int4.h as an onnxruntime custom operator, registered with
-// SessionOptions.register_custom_ops_library. The CPU engine puts it in place of the MatMulNBits nodes it
-// can take (specrt/engines/int4.py): inputs A [..., K] float, then B, scales, zero points (optional) and
-// bias (optional) as MatMulNBits has them; attributes K, N, bits (4), block_size and `path` ("auto" or a
-// path name from int4.h). The weights are packed once, when the session creates the kernel; a call
+// The library's onnxruntime custom operators, registered with SessionOptions.register_custom_ops_library
+// in the domain "specrt"; the CPU engine puts them in place of the nodes they can take (engines/int4.py).
+//
+// specrt.Int4MatMul, the kernel of int4.h: inputs A [..., K] float, then B, scales, zero points (optional)
+// and bias (optional) as MatMulNBits has them; attributes K, N, bits (4), block_size and `path` ("auto" or
+// a path name from int4.h). The weights are packed once, when the session creates the kernel; a call
 // quantizes its rows once and spreads panels of output columns over onnxruntime's own intra-op threads.
+//
+// specrt.Attention, attention.h: inputs query [B, S, (H + 2 Hkv) D] (or [B, S, H D] with key and value
+// [B, S, Hkv D]), key, value (optional), past_key and past_value [B, Hkv, C, D], seqlens_k [B] int32,
+// cos_cache and sin_cache [positions, D / 2], query_seqlens [B] int32 (optional); outputs [B, S, H D],
+// present_key and present_value (the past buffers when bound to them, as the engine does); attributes
+// num_heads, kv_num_heads, scale.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -14,6 +22,7 @@
 #include <unistd.h>
 #endif
 
+#include "attention.h"
 #include "int4.h"
 #include "ort_api.h"
 
@@ -203,7 +212,7 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
   if (ort::Status* s = api.GetTensorMutableData(yv, &y)) return s;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scale, sum;
-  q.resize(M * w.nblk * w.bs), scale.resize(M * w.nblk), sum.resize(M * w.nblk);
+  q.resize(M * w.nblk * w.bs + specrt::kQPad), scale.resize(M * w.nblk), sum.resize(M * w.nblk);
   Call c;
   c.op = &op, c.A = (const float*)A, c.y = (float*)y, c.M = (int)M;
   c.acts.M = (int)M, c.acts.Kp = w.nblk * w.bs, c.acts.nblk = w.nblk;
@@ -222,6 +231,133 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
   return api.KernelContext_ParallelFor(ctx, panel_item, chunks * c.groups, 0, &c);
 }
 
+// ---------------------------------------------------------------------------------------------- Attention
+
+ort::Status* afail(const ort::Api& api, const std::string& msg) {
+  return api.CreateStatus(ort::kInvalidArgument, ("specrt.Attention: " + msg).c_str());
+}
+
+struct AttentionOp {
+  int H = 0, Hkv = 0;
+  float scale = 0.0f;
+};
+
+ort::Status* attention_create(const ort::CustomOp*, const void* table, const ort::KernelInfo* info, void** out) {
+  const ort::Api api((const void* const*)table);
+  int64_t H = 0, Hkv = 0;
+  float scale = 0.0f;
+  const char* names[2] = {"num_heads", "kv_num_heads"};
+  int64_t* dsts[2] = {&H, &Hkv};
+  for (int i = 0; i < 2; ++i)
+    if (ort::Status* s = api.KernelInfoGetAttribute_int64(info, names[i], dsts[i]))
+      return api.ReleaseStatus(s), afail(api, std::string("missing attribute ") + names[i]);
+  if (ort::Status* s = api.KernelInfoGetAttribute_float(info, "scale", &scale)) api.ReleaseStatus(s), scale = 0.0f;
+  if (H <= 0 || Hkv <= 0 || H % Hkv || H > 4096) return afail(api, "num_heads must be a positive multiple of kv_num_heads");
+  AttentionOp* op = new AttentionOp;
+  op->H = (int)H, op->Hkv = (int)Hkv, op->scale = scale;
+  *out = op;
+  return nullptr;
+}
+
+void attention_destroy(void* kernel) { delete (AttentionOp*)kernel; }
+
+struct AttentionWork {
+  const specrt::AttentionCall* call;
+};
+
+void attention_item(void* data, size_t i) {
+  const specrt::AttentionCall& c = *((const AttentionWork*)data)->call;
+  thread_local std::vector<float> scores;
+  scores.resize((size_t)c.C + 8);
+  specrt::attention_head(c, (int)(i / c.H), (int)(i % c.H), scores.data());
+}
+
+ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
+  const ort::Api api(g_table);
+  const AttentionOp& op = *(const AttentionOp*)kernel;
+  size_t inputs = 0;
+  if (ort::Status* s = api.KernelContext_GetInputCount(ctx, &inputs)) return s;
+  const ort::Value* in[9] = {nullptr};
+  for (size_t i = 0; i < inputs && i < 9; ++i)
+    if (ort::Status* s = api.KernelContext_GetInput(ctx, i, &in[i])) return s;
+  std::string why;
+  std::vector<int64_t> qd, kd, vd, pkd, pvd, sd, cd, nd;
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *pk = nullptr, *pv = nullptr, *seqlens = nullptr,
+             *cs = nullptr, *sn = nullptr, *qlens = nullptr;
+  const size_t any = (size_t)-1;
+  if (!in[0] || !tensor(api, in[0], ort::kFloat, any, &q, &why, &qd) || qd.size() != 3) return afail(api, "query: " + why);
+  if (!in[3] || !tensor(api, in[3], ort::kFloat, any, &pk, &why, &pkd) || pkd.size() != 4) return afail(api, "past_key: " + why);
+  if (!in[4] || !tensor(api, in[4], ort::kFloat, any, &pv, &why, &pvd) || pvd != pkd) return afail(api, "past_value: " + why);
+  const int64_t B = qd[0], S = qd[1], D = pkd[3], C = pkd[2];
+  if (pkd[0] != B || pkd[1] != op.Hkv || !specrt::attention_shapes_ok((int)D))
+    return afail(api, "past_key must be [batch, kv_num_heads, capacity, head_size] with a head size that is a "
+                     "multiple of 16 (at most 512)");
+  const bool packed = !in[1];
+  if (packed && qd[2] != (op.H + 2 * op.Hkv) * D) return afail(api, "packed query must be [batch, seq, (num_heads + 2 kv_num_heads) head_size]");
+  if (!packed) {
+    if (qd[2] != op.H * D) return afail(api, "query must be [batch, seq, num_heads head_size]");
+    if (!in[2] || !tensor(api, in[1], ort::kFloat, any, &k, &why, &kd) || !tensor(api, in[2], ort::kFloat, any, &v, &why, &vd) ||
+        kd != std::vector<int64_t>{B, S, op.Hkv * D} || vd != kd)
+      return afail(api, "key and value must be [batch, seq, kv_num_heads head_size]");
+  }
+  if (!in[5] || !tensor(api, in[5], ort::kInt32, (size_t)B, &seqlens, &why)) return afail(api, "seqlens_k: " + why);
+  if (!in[6] || !in[7] || !tensor(api, in[6], ort::kFloat, any, &cs, &why, &cd) || !tensor(api, in[7], ort::kFloat, any, &sn, &why, &nd) ||
+      cd.size() != 2 || cd[1] != D / 2 || nd != cd)
+    return afail(api, "cos_cache and sin_cache must be [positions, head_size / 2]");
+  if (inputs > 8 && in[8] && !tensor(api, in[8], ort::kInt32, (size_t)B, &qlens, &why)) return afail(api, "query_seqlens: " + why);
+  std::vector<int> n(B), P(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t T = (int64_t)((const int32_t*)seqlens)[b] + 1;
+    n[b] = qlens ? ((const int32_t*)qlens)[b] : (int)S;
+    P[b] = (int)(T - n[b]);
+    if (n[b] < 0 || n[b] > S || P[b] < 0 || T > C || T > cd[0])
+      return afail(api, "row " + std::to_string(b) + ": seqlens_k and query_seqlens leave the cache (" +
+                           std::to_string(n[b]) + " new of " + std::to_string(T) + ", capacity " + std::to_string(C) + ")");
+  }
+  const int64_t odims[3] = {B, S, op.H * D};
+  ort::Value *ov = nullptr, *pkv = nullptr, *pvv = nullptr;
+  if (ort::Status* s = api.KernelContext_GetOutput(ctx, 0, odims, 3, &ov)) return s;
+  if (ort::Status* s = api.KernelContext_GetOutput(ctx, 1, pkd.data(), 4, &pkv)) return s;
+  if (ort::Status* s = api.KernelContext_GetOutput(ctx, 2, pkd.data(), 4, &pvv)) return s;
+  void *out = nullptr, *present_k = nullptr, *present_v = nullptr;
+  if (ort::Status* s = api.GetTensorMutableData(ov, &out)) return s;
+  if (ort::Status* s = api.GetTensorMutableData(pkv, &present_k)) return s;
+  if (ort::Status* s = api.GetTensorMutableData(pvv, &present_v)) return s;
+  const size_t cache = (size_t)B * op.Hkv * C * D * sizeof(float);
+  if (cache && present_k != pk) memcpy(present_k, pk, cache);  // not bound to the past buffers: a copy
+  if (cache && present_v != pv) memcpy(present_v, pv, cache);
+  specrt::AttentionCall c;
+  c.B = (int)B, c.S = (int)S, c.H = op.H, c.Hkv = op.Hkv, c.D = (int)D, c.C = (int)C;
+  c.n = n.data(), c.P = P.data();
+  c.q = (const float*)q;
+  c.q_stride = (size_t)qd[2];
+  c.k = packed ? c.q + op.H * D : (const float*)k;
+  c.v = packed ? c.q + (op.H + op.Hkv) * D : (const float*)v;
+  c.k_stride = packed ? c.q_stride : (size_t)(op.Hkv * D);
+  c.v_stride = c.k_stride;
+  c.cos = (const float*)cs, c.sin = (const float*)sn;
+  c.present_k = (float*)present_k, c.present_v = (float*)present_v, c.out = (float*)out;
+  c.scale = op.scale != 0.0f ? op.scale : 1.0f / std::sqrt((float)D);
+  if (!B || !S) return nullptr;
+  for (int b = 0; b < c.B; ++b)  // the new keys and values first: a query attends to those before it
+    for (int i = 0; i < n[b]; ++i)
+      for (int g = 0; g < c.Hkv; ++g) specrt::attention_write_kv(c, b, g, i);
+  AttentionWork work{&c};
+  return api.KernelContext_ParallelFor(ctx, attention_item, (size_t)(B * op.H), 0, &work);
+}
+
+const char* attention_name(const ort::CustomOp*) { return "Attention"; }
+ort::ElementType attention_input_type(const ort::CustomOp*, size_t i) {
+  return i == 5 || i == 8 ? ort::kInt32 : ort::kFloat;
+}
+size_t attention_inputs(const ort::CustomOp*) { return 9; }
+size_t attention_outputs(const ort::CustomOp*) { return 3; }
+ort::Characteristic attention_input_kind(const ort::CustomOp*, size_t i) {
+  return i == 1 || i == 2 || i == 8 ? ort::kOptional : ort::kRequired;
+}
+
+// ---------------------------------------------------------------------------------------------- registration
+
 const char* name(const ort::CustomOp*) { return "Int4MatMul"; }
 const char* provider(const ort::CustomOp*) { return nullptr; }  // the CPU
 ort::ElementType input_type(const ort::CustomOp*, size_t i) { return i == 1 || i == 3 ? ort::kUint8 : ort::kFloat; }
@@ -238,6 +374,11 @@ const ort::CustomOp kOp = {
     ort::kApiVersion, nullptr, name, provider, input_type, inputs, output_type, outputs, nullptr, destroy,
     input_kind, output_kind, memory_type, one, zero, one, zero, create, compute, nullptr, nullptr, nullptr,
 };
+const ort::CustomOp kAttentionOp = {
+    ort::kApiVersion, nullptr, attention_name, provider, attention_input_type, attention_inputs, output_type,
+    attention_outputs, nullptr, attention_destroy, attention_input_kind, output_kind, memory_type, one, zero, one,
+    zero, attention_create, attention_compute, nullptr, nullptr, nullptr,
+};
 
 }  // namespace
 
@@ -246,7 +387,7 @@ extern "C" __attribute__((visibility("default"))) ort::Status* RegisterCustomOps
   const void* const* table = base->GetApi(ort::kApiVersion);
   if (!table) {  // an onnxruntime older than 1.17 still answers version 1, enough to say why
     const void* const* v1 = base->GetApi(1);
-    return v1 ? ort::Api(v1).CreateStatus(ort::kFail, "specrt.Int4MatMul needs onnxruntime >= 1.17") : nullptr;
+    return v1 ? ort::Api(v1).CreateStatus(ort::kFail, "specrt's operators need onnxruntime >= 1.17") : nullptr;
   }
   g_table = table;
   const ort::Api api(table);
@@ -255,8 +396,9 @@ extern "C" __attribute__((visibility("default"))) ort::Status* RegisterCustomOps
     ort::CustomOpDomain* d = nullptr;
     if (ort::Status* s = api.CreateCustomOpDomain("specrt", &d)) return api.ReleaseStatus(s), nullptr;
     if (ort::Status* s = api.CustomOpDomain_Add(d, &kOp)) return api.ReleaseStatus(s), nullptr;
+    if (ort::Status* s = api.CustomOpDomain_Add(d, &kAttentionOp)) return api.ReleaseStatus(s), nullptr;
     return d;
   }();
-  if (!domain) return api.CreateStatus(ort::kFail, "specrt.Int4MatMul: could not create its operator domain");
+  if (!domain) return api.CreateStatus(ort::kFail, "specrt: could not create its operator domain");
   return api.AddCustomOpDomain(options, domain);
 }

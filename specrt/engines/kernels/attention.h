@@ -1,0 +1,29 @@
+// specrt.Attention's arithmetic (attention.cc); the operator around it is in ort_op.cc.
+#pragma once
+
+#include <cstddef>
+
+namespace specrt {
+
+// One call: B rows of S query positions (row b has n[b] new tokens at positions P[b] ..), H query heads
+// over Hkv key/value heads of D values, caches of C slots. q, k, v point at row 0, position 0, head 0 of
+// their tensors, with the given strides (floats) from one position to the next.
+struct AttentionCall {
+  int B = 0, S = 0, H = 0, Hkv = 0, D = 0, C = 0;
+  const int* n = nullptr;  // [B]
+  const int* P = nullptr;  // [B]
+  const float *q = nullptr, *k = nullptr, *v = nullptr;
+  size_t q_stride = 0, k_stride = 0, v_stride = 0;
+  const float *cos = nullptr, *sin = nullptr;  // [positions][D / 2]
+  float *present_k = nullptr, *present_v = nullptr;  // [B][Hkv][C][D]
+  float* out = nullptr;                              // [B][S][H * D]
+  float scale = 1.0f;
+};
+
+bool attention_shapes_ok(int D);  // head sizes the kernel takes (multiples of 16, at most 512)
+// Writes token i of row b into the caches of key/value head g (its key after the rotary embedding).
+void attention_write_kv(const AttentionCall& c, int b, int g, int i);
+// Every query position of row b, head h; `scores` holds C floats.
+void attention_head(const AttentionCall& c, int b, int h, float* scores);
+
+}  // namespace specrt
