@@ -287,7 +287,7 @@ ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch6
                                        ("cortex-a72", "scalar")])
 def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
     kernels = ROOT / "specrt" / "engines" / "kernels"
-    sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc")]
+    sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc", "attention.cc")]
     exe = tmp_path / "int4_check"
     subprocess.run([ARM_CXX, "-O2", "-std=c++17", "-ffp-contract=off", "-static", "-o", str(exe),
                     str(ROOT / "tests" / "native" / "int4_check.cc"), *map(str, sources)], check=True)
@@ -295,6 +295,18 @@ def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
     # a Cortex-A76 has the dot-product instructions but not i8mm, an A72 neither: only the reference
     assert f"paths: {paths}" in r.stdout
+    if int4.library() is not None:  # the attention gives the same bits on Arm as here
+        assert f"attention {_attention_hash():016x}" in r.stdout
+
+
+def _attention_hash() -> int:
+    lib = int4._lib()
+    out = np.empty(2 * 3 * 128 + 2 * 2 * 2 * 16 * 32, np.float32)
+    n = lib.specrt_attention_demo(ctypes.c_void_p(out.ctypes.data))
+    h = 1469598103934665603
+    for bits in out[:n].view(np.uint32).tolist():
+        h = ((h ^ bits) * 1099511628211) & (2**64 - 1)
+    return h
 
 
 # ---------------------------------------------------------------- attention

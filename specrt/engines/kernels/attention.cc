@@ -183,3 +183,37 @@ SPECRT_CLONES void attention_head(const AttentionCall& c, int b, int h, float* s
 }
 
 }  // namespace specrt
+
+// A fixed problem through the attention (2 rows of 3 and 2 new tokens after pasts of 5 and 0 entries,
+// 4 heads over 2 key/value heads of 32, 16 slots): its outputs and caches in `out` (2*3*128 + 2 * 2*2*16*32
+// floats). The tests compare them across instruction sets: they are the same bits everywhere.
+extern "C" __attribute__((visibility("default"))) int specrt_attention_demo(float* out) {
+  using namespace specrt;
+  const int B = 2, S = 3, H = 4, Hkv = 2, D = 32, C = 16;
+  unsigned s = 7;
+  auto next = [&s]() { return s = s * 1103515245u + 12345u, (float)((int)((s >> 9) % 2001) - 1000) / 500.0f; };
+  std::vector<float> qkv((size_t)B * S * (H + 2 * Hkv) * D), cos((size_t)C * D / 2), sin((size_t)C * D / 2);
+  for (auto& x : qkv) x = next();
+  for (int p = 0; p < C; ++p)
+    for (int i = 0; i < D / 2; ++i) {
+      const float a = p / std::pow(10000.0f, (float)i / (D / 2));
+      cos[(size_t)p * D / 2 + i] = std::cos(a), sin[(size_t)p * D / 2 + i] = std::sin(a);
+    }
+  float* o = out;
+  float* pk = out + (size_t)B * S * H * D;
+  float* pv = pk + (size_t)B * Hkv * C * D;
+  for (size_t i = 0; i < (size_t)B * Hkv * C * D; ++i) pk[i] = next(), pv[i] = next();
+  const int n[2] = {3, 2}, P[2] = {5, 0};
+  AttentionCall c;
+  c.B = B, c.S = S, c.H = H, c.Hkv = Hkv, c.D = D, c.C = C, c.n = n, c.P = P;
+  c.q = qkv.data(), c.k = c.q + H * D, c.v = c.q + (H + Hkv) * D;
+  c.q_stride = c.k_stride = c.v_stride = (size_t)(H + 2 * Hkv) * D;
+  c.cos = cos.data(), c.sin = sin.data(), c.present_k = pk, c.present_v = pv, c.out = o, c.scale = 0.17f;
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < n[b]; ++i)
+      for (int g = 0; g < Hkv; ++g) attention_write_kv(c, b, g, i);
+  std::vector<float> scores(C + 8);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) attention_head(c, b, h, scores.data());
+  return B * S * H * D + 2 * B * Hkv * C * D;
+}
