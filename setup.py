@@ -31,7 +31,7 @@ setup(
         "specrt.engines._int4",
         sources=[f"{KERNELS}/{f}" for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc", "attention.cc",
                                             "ort_op.cc")],
-        depends=[f"{KERNELS}/{f}" for f in ("int4.h", "int4_tile.inc", "int4_kernel.inc", "attention.h", "ort_api.h")],
+        depends=[f"{KERNELS}/{f}" for f in ("int4.h", "int4_tile.inc", "int4_kernel.inc", "attention.h", "attention_core.inc", "ort_api.h")],
         language="c++",
         # no contraction of a*b+c into FMAs the source does not write: every path must round the same way
         extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=off", "-fvisibility=hidden"],

@@ -299,10 +299,10 @@ def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
         assert f"attention {_attention_hash():016x}" in r.stdout
 
 
-def _attention_hash() -> int:
+def _attention_hash(base: bool = False) -> int:
     lib = int4._lib()
     out = np.empty(2 * 3 * 128 + 2 * 2 * 2 * 16 * 32, np.float32)
-    n = lib.specrt_attention_demo(ctypes.c_void_p(out.ctypes.data))
+    n = lib.specrt_attention_demo(ctypes.c_void_p(out.ctypes.data), int(base))
     h = 1469598103934665603
     for bits in out[:n].view(np.uint32).tolist():
         h = ((h ^ bits) * 1099511628211) & (2**64 - 1)
@@ -366,6 +366,11 @@ def test_attention_computes_what_groupqueryattention_computes(tmp_path):
         end = past[b] + n[b]
         for o in (1, 2):  # the caches: the past kept, the new entries written (keys after the rotary embedding)
             np.testing.assert_allclose(got[o][b, :, :end], want[o][b, :, :end], rtol=1e-5, atol=1e-6)
+
+
+@built
+def test_attention_gives_the_same_bits_with_and_without_avx2():
+    assert _attention_hash() == _attention_hash(base=True)
 
 
 @built

@@ -16,7 +16,7 @@ int specrt_int4_matmul(const void* packed, const float* A, int M, float* Y, cons
 void specrt_int4_reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N,
                            int bs, const float* A, int M, float* Y);
 void specrt_int4_free(void* w);
-int specrt_attention_demo(float* out);
+int specrt_attention_demo(float* out, int base);
 }
 
 int main() {
@@ -60,7 +60,7 @@ int main() {
   }
   // the attention's fixed problem: a hash of its bits, which the test compares with this machine's own
   std::vector<float> att(2 * 3 * 128 + 2 * 2 * 2 * 16 * 32);
-  const int count = specrt_attention_demo(att.data());
+  const int count = specrt_attention_demo(att.data(), 0);
   uint64_t h = 1469598103934665603ull;
   for (int i = 0; i < count; ++i) {
     uint32_t bits;

@@ -20,10 +20,14 @@ struct AttentionCall {
   float scale = 1.0f;
 };
 
+constexpr int kAttentionTile = 8;  // (head, query) rows that share each read of a block of keys and values
+
 bool attention_shapes_ok(int D);  // head sizes the kernel takes (multiples of 16, at most 512)
 // Writes token i of row b into the caches of key/value head g (its key after the rotary embedding).
 void attention_write_kv(const AttentionCall& c, int b, int g, int i);
-// Every query position of row b, head h; `scores` holds C floats.
-void attention_head(const AttentionCall& c, int b, int h, float* scores);
+// Floats of scratch attention_group needs.
+size_t attention_scratch(const AttentionCall& c);
+// Every query position of row b for the query heads of key/value head g.
+void attention_group(const AttentionCall& c, int b, int g, float* scratch);
 
 }  // namespace specrt

@@ -267,9 +267,9 @@ struct AttentionWork {
 
 void attention_item(void* data, size_t i) {
   const specrt::AttentionCall& c = *((const AttentionWork*)data)->call;
-  thread_local std::vector<float> scores;
-  scores.resize((size_t)c.C + 8);
-  specrt::attention_head(c, (int)(i / c.H), (int)(i % c.H), scores.data());
+  thread_local std::vector<float> scratch;
+  scratch.resize(specrt::attention_scratch(c));
+  specrt::attention_group(c, (int)(i / c.Hkv), (int)(i % c.Hkv), scratch.data());
 }
 
 ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
@@ -343,7 +343,7 @@ ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
     for (int i = 0; i < n[b]; ++i)
       for (int g = 0; g < c.Hkv; ++g) specrt::attention_write_kv(c, b, g, i);
   AttentionWork work{&c};
-  return api.KernelContext_ParallelFor(ctx, attention_item, (size_t)(B * op.H), 0, &work);
+  return api.KernelContext_ParallelFor(ctx, attention_item, (size_t)(B * op.Hkv), 0, &work);
 }
 
 const char* attention_name(const ort::CustomOp*) { return "Attention"; }
