@@ -22,6 +22,9 @@ LEAN_KV_LAYOUT = "batch,kv_heads,seq,head_dim"
 
 
 DRAFTERS = ("model", "ngram", "suffix", "hybrid")
+# Stop strings a request may give, and their length: enough for any use seen, and a bound on what a round
+# of matching costs (OpenAI's API takes at most 4).
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 HISTORY_CAP = 262144  # tokens of earlier outputs a pair keeps for the suffix drafter by default (1 MB)
 
 
@@ -87,8 +90,18 @@ class GenerationConfig:
             raise ConfigError(f"draft_window must be an integer >= 0 (0 = no limit), got {self.draft_window!r}")
         if not 0.0 <= self.confidence_stop < 1.0:
             raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError("stop must be a tuple of strings")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(f"stop string {s[:20]!r} is not valid text (a lone surrogate)") from None
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ConfigError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each, got "
+                              f"{len(self.stop)} (longest {max(map(len, self.stop))})")
 
 
 @dataclass(frozen=True)
@@ -183,19 +196,65 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: dict) -> Manifest:
         d = dict(d)
-        d["target"] = _entry(d["target"])
-        d["draft"] = _entry(d["draft"]) if d.get("draft") else None
+        _keys(cls, d, "the manifest")
+        d["target"] = _entry(d["target"], "target")
+        d["draft"] = _entry(d["draft"], "draft") if d.get("draft") else None
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["tokenizer_files"] = tuple(d["tokenizer_files"])
-        return cls(**d)
+        m = cls(**d)
+        for name in m.tokenizer_files:
+            _inside(name, "tokenizer_files")
+        for role in ("target", "draft"):
+            plan = ((m.engines or {}).get(role) or {}).get("plan")
+            if plan is not None:
+                _inside(plan, f"engines.{role}.plan")
+        return m
 
 
-def _entry(d: dict) -> ModelEntry:
+def _keys(cls, d, where: str) -> None:
+    """PairError naming the first key `d` lacks (or has that `cls` does not know)."""
+    import dataclasses
+
+    if not isinstance(d, dict):
+        raise PairError(f"{where} must be an object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    needed = {f.name for f in dataclasses.fields(cls)
+              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if missing := sorted(needed - d.keys()):
+        raise PairError(f"{where} has no {missing[0]!r}")
+    if unknown := sorted(d.keys() - known):
+        raise PairError(f"{where} has an unknown key {unknown[0]!r} (written by a newer specrt?)")
+
+
+def _inside(name, where: str) -> str:
+    """`name`, a path the manifest gives relative to the pair folder, if it stays inside that folder."""
+    from pathlib import PurePosixPath
+
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        raise PairError(f"{where}: {name!r} is not a file name inside the pair folder")
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts:
+        raise PairError(f"{where}: {name!r} leaves the pair folder; a manifest names files inside it only")
+    return name
+
+
+def _entry(d: dict, role: str) -> ModelEntry:
+    if not isinstance(d, dict):
+        raise PairError(f"{role} must be an object")
     d = dict(d)
     if "graph" not in d:  # written before the lean graph: a delta graph, portable or with CPU contrib ops
         d["graph"] = "portable" if d.get("portable") else "contrib"
     d.pop("portable", None)
-    return ModelEntry(**d)
+    _keys(ModelEntry, d, role)
+    e = ModelEntry(**d)
+    _inside(e.path, f"{role}.path")
+    if not isinstance(e.files, dict):
+        raise PairError(f"{role}.files must be an object of file names and sha256 digests")
+    for name in e.files:
+        _inside(name, f"{role}.files")
+    if e.output_ids is not None:
+        _inside(e.output_ids, f"{role}.output_ids")
+    return e
 
 
 def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
@@ -220,7 +279,9 @@ def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
         )
     try:
         return Manifest.from_dict(raw)
-    except (TypeError, KeyError) as e:
+    except PairError as e:
+        raise PairError(f"corrupt manifest {path}: {e}") from None
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise PairError(f"corrupt manifest {path}: {e}") from None
 
 

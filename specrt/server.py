@@ -5,8 +5,8 @@ GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests run throug
 runtime/serving.Scheduler; this module only translates between HTTP and it.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status that
-fits (400 bad field, 401 key, 404 route or model, 413 body, 429 queue full, 500 anything else: one
-line in the log, never a traceback to the client).
+fits (400 bad field, 401 key, 404 route or model, 408 body too slow, 413 body too big, 429 queue full,
+500 anything else: one line in the log, never a traceback to the client).
 """
 from __future__ import annotations
 
@@ -27,18 +27,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from specrt.config import DRAFTERS, GenerationConfig, SamplingConfig
+from specrt.config import DRAFTERS, MAX_STOP_CHARS, MAX_STOPS, GenerationConfig, SamplingConfig
 from specrt.errors import SpecrtError
 from specrt.runtime.serving import QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("specrt.serve")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # OpenAI's finish_reason for ours
-# Fields OpenAI defines that change the output and that specrt does not implement, with their no-op value:
-# a request that sets one otherwise gets a 400, not a silently different answer.
-UNSUPPORTED = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "logprobs": None,
-               "top_logprobs": None, "tools": None, "functions": None, "response_format": None,
-               "echo": False, "best_of": 1, "suffix": None, "n": 1}
+# Fields OpenAI defines that change the output and that specrt does not implement, with the values that
+# mean "off": a request that sets one to anything else gets a 400, not a silently different answer.
+UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
+               "top_logprobs": (0,), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+               "echo": (False,), "best_of": (1,), "suffix": ("",), "n": (1,)}
+MAX_HEADER_BYTES = 16384  # a request's line and headers
 
 
 class APIError(Exception):
@@ -63,6 +64,9 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     draft_len: int | str | None = None  # a request's defaults (None: the pair's, `specrt tune`'s or auto)
     drafter: str | None = None
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's headers
+    body_timeout: float = 30.0  # seconds a request may take to send its body
+    max_connections: int = 64  # open connections (and running handlers) beyond which uvicorn answers 503
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -73,9 +77,9 @@ def _field(body: dict, name: str, kinds, default=None):
     if v is None:
         return default
     if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise APIError(400, f"'{name}' must be {names.replace('int or float', 'a number')}, got {json.dumps(v)}",
-                       param=name)
+        what = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
+        names = " or ".join(what.get(k, k.__name__) for k in kinds).replace("an integer or a number", "a number")
+        raise APIError(400, f"'{name}' must be {names}, got {json.dumps(v)[:80]}", param=name)
     return v
 
 
@@ -122,11 +126,18 @@ def prompt_ids(pair, body: dict, chat: bool) -> list[int]:
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a list holding one of them", param="prompt")
 
 
+def _off(value, noops: tuple) -> bool:
+    """Whether `value` is one of `noops` (True is not 1, nor False 0)."""
+    return any(type(value) is type(n) and value == n for n in noops) or (
+        isinstance(value, float) and any(type(n) is int and value == n for n in noops))
+
+
 def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettings | None = None) -> GenerationConfig:
     """The request's fields as a GenerationConfig; max_tokens is bounded by the room the cache leaves."""
-    for name, noop in UNSUPPORTED.items():
-        if name in body and body[name] is not None and body[name] != noop and body[name] != []:
-            raise APIError(400, f"'{name}' is not supported by specrt (supported: {noop!r} or unset)", param=name)
+    for name, noops in UNSUPPORTED.items():
+        if body.get(name) is not None and not _off(body[name], noops):
+            allowed = " or ".join(json.dumps(n) for n in noops)
+            raise APIError(400, f"'{name}' is not supported by specrt (supported: {allowed}, or unset)", param=name)
     m = pair.manifest
     room = m.max_len - len(prompt) - m.max_draft_len - 1  # what any draft length leaves
     if room < 1:
@@ -150,6 +161,9 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each "
+                            f"(got {len(stop)})", param="stop")
     seed = _field(body, "seed", (int,))
     if seed is not None and seed < 0:
         raise APIError(400, f"'seed' must be >= 0, got {seed}", param="seed")
@@ -286,14 +300,24 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
             raise APIError(413, f"the body has {size} bytes; the limit is {settings.max_body_bytes}")
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > settings.max_body_bytes:
-                raise APIError(413, f"the body exceeds the limit of {settings.max_body_bytes} bytes")
+
+        async def read():
+            async for part in request.stream():
+                raw.extend(part)
+                if len(raw) > settings.max_body_bytes:
+                    raise APIError(413, f"the body exceeds the limit of {settings.max_body_bytes} bytes")
+
+        try:
+            await asyncio.wait_for(read(), settings.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the body did not arrive within {settings.body_timeout:g} s",
+                           code="request_timeout") from None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise APIError(400, "the body is not valid JSON: it nests too deep") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         model = body.get("model")
@@ -306,10 +330,19 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
     async def health():
         return {"status": "ok", "model": settings.model}
 
+    def model_object() -> dict:
+        return {"id": settings.model, "object": "model", "created": created, "owned_by": "specrt"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": created,
-                                            "owned_by": "specrt"}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != settings.model:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {settings.model!r}",
+                           param="model", code="model_not_found", kind="not_found_error")
+        return model_object()
 
     @app.get("/metrics")
     async def metrics_route():
@@ -331,7 +364,8 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
             raise APIError(400, str(e), param="messages" if chat else "prompt") from None
         cfg = generation_config(pair, body, prompt, settings)
         stream = _field(body, "stream", (bool,), False)
-        usage_in_stream = bool((body.get("stream_options") or {}).get("include_usage")) if stream else False
+        options = _field(body, "stream_options", (dict,), {})
+        usage_in_stream = _field(options, "include_usage", (bool,), False) and stream
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
 
         def deliver(item):  # from the worker thread; a whole response needs no text chunks
@@ -467,6 +501,51 @@ async def _events(job, items: asyncio.Queue, shape: _Shape, with_usage: bool):
 # ---------------------------------------------------------------------------------------------- running
 
 
+def _header_deadline_protocol(timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request's headers: a connection that opens (or idles
+    after a response) and does not finish a request's headers within `timeout` seconds is closed."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _deadline = None
+
+        def _arm(self):
+            self._disarm()
+            self._deadline = self.loop.call_later(timeout, self._late)
+
+        def _disarm(self):
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self):
+            self._deadline = None
+            if not self.transport.is_closing():
+                log.info("closed a connection whose request headers took over %g s", timeout)
+                self.transport.close()
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self):
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers arrived: its handler runs
+                self._disarm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
 def serve(pair, scheduler: Scheduler, settings: ServeSettings, sock, on_ready=None) -> None:
     """Serve on the bound socket `sock` until SIGINT/SIGTERM: streams in flight then end with an error
     event, and the process exits."""
@@ -498,7 +577,13 @@ def serve(pair, scheduler: Scheduler, settings: ServeSettings, sock, on_ready=No
             if on_ready is not None and self.started:
                 on_ready()
 
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, access_log=False, lifespan="off")
+    # a slow or idle client cannot hold a connection open for long, nor open many: uvicorn closes idle
+    # keep-alive connections and answers 503 beyond settings.max_connections, h11 bounds the headers' size, and the
+    # protocol below bounds the time a request's headers may take (the body's: read_body)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, access_log=False, lifespan="off",
+                            http=_header_deadline_protocol(settings.header_timeout),
+                            limit_concurrency=settings.max_connections, timeout_keep_alive=5,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     try:
         Server(config).run(sockets=[sock])
     finally:

@@ -31,8 +31,7 @@ def _same(batch, alone, what=""):
 
 
 def _alone(pair, prompt, cfg):
-    """The request run alone as a batch row runs it: the draft reads the prompt whole (draft_window 0)."""
-    return pair.run(prompt, dataclasses.replace(cfg, draft_window=0))
+    return pair.run(prompt, cfg)
 
 
 def _first_diff(a, b):
@@ -194,8 +193,7 @@ def test_generate_batch_api(qwen_pair):
     res = generate_batch(pair, PROMPTS[:5], batch_size=2, max_new_tokens=16, draft_len=2, temperature=0.9,
                          seed=[1, 2, 3, 4, 5], stop=["\n\n"], totals=tot)
     for i, p in enumerate(PROMPTS[:5]):
-        _same(res[i], pair.generate(p, max_new_tokens=16, draft_len=2, temperature=0.9, seed=i + 1, stop=["\n\n"],
-                                    draft_window=0))
+        _same(res[i], pair.generate(p, max_new_tokens=16, draft_len=2, temperature=0.9, seed=i + 1, stop=["\n\n"]))
         assert res[i].stats["batch_size"] == 2
     assert tot["batch_size"] == 2 and tot["tokens_per_s"] > 0
     chat = generate_batch(pair, ["hello there"], batch_size=1, max_new_tokens=8, chat=True, draft_len=0)[0]
@@ -248,9 +246,7 @@ def test_bad_requests(qwen_pair):
     ok = GenerationConfig(max_new_tokens=8, draft_len=2)
     with pytest.raises(ConfigError, match="fixed draft_len"):
         check_request(m, [5], dataclasses.replace(ok, draft_len="auto"))
-    with pytest.raises(ConfigError, match="draft_window must be 0 or unset"):
-        check_request(m, [5], dataclasses.replace(ok, draft_window=16))
-    check_request(m, [5], dataclasses.replace(ok, draft_window=0))
+    check_request(m, [5], dataclasses.replace(ok, draft_window=16))  # a row reads by the lone run's window
     with pytest.raises(ConfigError, match="max_draft_len"):
         check_request(m, [5], dataclasses.replace(ok, draft_len=m.max_draft_len + 1))
     with pytest.raises(ConfigError, match="max_len"):

@@ -162,10 +162,14 @@ def test_a_windowed_draft_cache_holds_the_sequence_from_its_offset():
     eng = model.engine
     assert list(eng.cache[:eng.length]) == seq[model.off:model.off + eng.length]
     assert memory.off == model.off
-    # the next turn extends the sequence: the windowed slots are kept, nothing is read twice
-    model.start(seq + [3, 4])
+    # the next turn extends the sequence: the windowed slots are offered, but a fresh request longer than
+    # the window reads its last 4 tokens whatever was kept, as a draft without memory would
+    nxt = seq + [3, 4]
+    model.start(nxt)
     assert model.off == memory.off and eng.length > 0
-    assert model.behind(seq + [3, 4]) == len(seq) + 2 - model.off - eng.length <= 4
+    model.propose(nxt, 1, SamplingConfig(), np.random.default_rng(0))
+    assert model.off == len(nxt) - 4 and list(eng.cache[:4]) == nxt[-4:]
+    model.commit(len(nxt))
     # a prompt that differs inside the window keeps only the part before the difference
     other = list(seq)
     other[model.off + 1] = (other[model.off + 1] + 1) % V
@@ -203,7 +207,8 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
     model.commit(len(seq) + 1)  # its draft accepted
     assert eng.length == 10 and model.behind(seq + [int(d[0]), 2]) == 2
     assert model.memory is None and memory.seq == []  # the next request starts from an empty draft cache
-    # a request's first pass reads its prompt by the window rule, even past a prefix the memory kept
+    # a request's first pass reads its prompt by the window rule (the last 16 of a longer one), even past a
+    # prefix the memory kept: what the draft sees is the request's alone
     memory = DraftMemory()
     first = ModelProposer(eng, V, memory=memory, window=16, skip=3)
     first.start(seq)
@@ -211,6 +216,16 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
     first.commit(len(seq))
     model = ModelProposer(eng, V, memory=memory, window=16, skip=3)
     longer = seq + [5, 4, 3, 2, 1, 0, 1, 2, 3, 4]
+    model.start(longer)
+    assert eng.length == len(seq) and model.behind(longer) == 10
+    model.propose(longer, 1, cfg, rng)
+    assert model.off == len(longer) - 16 and list(eng.cache[:16]) == longer[-16:]
+    # within the window the kept prefix stands: the rest is read after it
+    first = ModelProposer(eng, V, memory=memory, window=32, skip=3)
+    first.start(seq)
+    first.propose(seq, 1, cfg, rng)
+    first.commit(len(seq))
+    model = ModelProposer(eng, V, memory=memory, window=32, skip=3)
     model.start(longer)
     assert eng.length == len(seq) and model.behind(longer) == 10
     model.propose(longer, 1, cfg, rng)

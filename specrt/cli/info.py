@@ -21,13 +21,23 @@ from specrt.cli.common import BadInput, errors
               help="With --measure: measure the target alone (drafting by prompt lookup), as `generate --drafter suffix` runs.")
 @errors
 def info(pair_dir, as_json, budget, do_measure, lone):
-    """Show a pair folder: models, sizes, estimated memory, limits, tuned settings, engines."""
+    """Show a pair folder: models, sizes, estimated memory, limits, tuned settings, engines.
+
+    The pair's files are checked too (hashes, graphs, tokenizer): exit code 1 and one `problem:` line each
+    if anything is wrong, 2 if the folder cannot be read as a pair at all."""
     from specrt.runtime.info import measure, pair_info
     from specrt.runtime.memory import fmt
 
     if lone and not do_measure:
         raise BadInput("--no-draft-model applies to --measure (the estimate without the draft model is always shown)")
     d = pair_info(pair_dir, budget)
+    if d["problems"]:  # a damaged pair: what is wrong, and no measurement
+        click.echo(json.dumps(d, indent=2) if as_json else format_info(d))
+        if not as_json:
+            for p in d["problems"]:
+                click.echo(f"problem: {p}")
+            click.echo(f"{pair_dir} is damaged ({len(d['problems'])} problem(s)); re-export the pair")
+        raise SystemExit(1)
     if do_measure:
         d["measured"] = meas = measure(pair_dir, draft_model=not lone)
     click.echo(json.dumps(d, indent=2) if as_json else format_info(d))

@@ -72,10 +72,16 @@ def _bind(host: str, port: int) -> socket.socket:
                    "suffix), for the memory of the target alone.")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1 << 20, show_default=True,
               help="Largest request body accepted (413 beyond).")
+@click.option("--header-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds a connection may take to send a request's headers before it is closed.")
+@click.option("--body-timeout", type=click.FloatRange(0.1), default=30.0, show_default=True,
+              help="Seconds a request may take to send its body (408 beyond).")
+@click.option("--max-connections", type=click.IntRange(1), default=64, show_default=True,
+              help="Open connections served at once; beyond them a connection gets HTTP 503.")
 @device_option
 @errors
 def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_size, batch_draft_len, draft_len,
-          drafter, history, history_cap, draft_model, max_body_bytes):
+          drafter, history, history_cap, draft_model, max_body_bytes, header_timeout, body_timeout, max_connections):
     """Serve a pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) until Ctrl-C or SIGTERM."""
     try:
@@ -86,6 +92,11 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
     from specrt.runtime.serving import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="specrt serve: %(message)s")
+    if api_key is None and os.environ.get("SPECRT_API_KEY") is not None:
+        api_key = os.environ["SPECRT_API_KEY"]  # click reads an empty variable as unset: that must not turn auth off
+    if api_key is not None and not api_key.strip():
+        raise BadInput("the API key is empty (--api-key or SPECRT_API_KEY): give a key, or leave both unset to "
+                       "serve without one")
     if not api_key and not _loopback(host):
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if history_cap < 1:
@@ -107,7 +118,8 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
                     click.echo(f"note: batch size {b} does not fit ({e}); trying {sizes[sizes.index(b) + 1]}", err=True)
         name = model_name or Path(os.path.abspath(pair_dir)).name
         settings = ServeSettings(model=name, api_key=api_key or None, max_body_bytes=max_body_bytes,
-                                 draft_len=draft_len, drafter=drafter)
+                                 draft_len=draft_len, drafter=drafter, header_timeout=header_timeout,
+                                 body_timeout=body_timeout, max_connections=max_connections)
         bound = sock.getsockname()
         url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}/v1"
 

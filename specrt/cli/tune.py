@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import device_option, draft_len_list, errors, load_pair
+from specrt.cli.common import BadInput, device_option, draft_len_list, errors, load_pair
 
 
 @click.command()
@@ -36,6 +36,8 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
         raise ConfigError(f"--confidence-stops must be comma-separated numbers, got {confidence_stops!r}") from None
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if not dry_run:
+        _check_writable(pair_dir)  # before minutes of measuring, not after
     with load_pair(pair_dir, device, use_tuned=False) as pair:
         names = [d.strip() for d in (drafters or ("model,ngram,hybrid" if pair.draft else "ngram")).split(",")]
         plist = read_prompts(prompts, pair, limit)
@@ -51,5 +53,22 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
                f"{tuned['confidence_stop']}: {tuned['measured']['tokens_per_s']:.1f} tok/s"
                + (f", {tuned['measured']['speedup']:.2f}x target-only" if tuned["measured"]["speedup"] else ""))
     if not dry_run:
-        write_tuned(pair_dir, tuned)
+        try:
+            write_tuned(pair_dir, tuned)
+        except OSError as e:  # the results are printed above: say why they are not stored
+            raise BadInput(f"could not store the results above in {pair_dir}/manifest.json: {e.strerror}") from None
         click.echo(f"stored in {pair_dir}/manifest.json; generate, bench and the API now use these defaults")
+
+
+def _check_writable(pair_dir: Path) -> None:
+    """BadInput unless a file can be created in the pair folder (where the manifest is replaced)."""
+    import tempfile
+
+    if not Path(pair_dir).is_dir():
+        return  # loading the pair says what is wrong
+    try:
+        with tempfile.NamedTemporaryFile(dir=pair_dir, prefix=".specrt-tune-"):
+            pass
+    except OSError as e:
+        raise BadInput(f"cannot store results in {pair_dir} ({e.strerror}): make the folder writable, or add "
+                       "--dry-run to only print them") from None

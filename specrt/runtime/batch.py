@@ -38,9 +38,8 @@ logits agree: token for token in greedy, and draw for draw in sampling. Batched 
 from batch-1 passes in the last bits (other GEMM shapes); on fp32 models that changes nothing but an
 exact near-tie (the tests find none); int4 at accuracy level 4 rounds differently per batch shape
 (see the README), so there greedy batch and lone text can part at a near-tie, both faithful to the
-weights. `draft_len="auto"` is not supported (its choices depend on per-request timings). Nor is a
-draft catch-up window: a row's draft reads its prompt whole at refill and drafts every round at its
-fixed length, so a row equals a lone run with draft_window=0.
+weights. `draft_len="auto"` is not supported (its choices depend on per-request timings). A row's draft
+reads its prompt by the lone run's catch-up rule (runtime.proposers.model_drafter), so a row equals it.
 """
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ from specrt.runtime import sampling
 from specrt.runtime.decode import Stats, emit
 from specrt.runtime.policy import PolicyState, Round, build
 from specrt.runtime.prefix import PromptCache
-from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal
+from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal, model_drafter
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
 # What a request iterator yields for "none now, ask again next round" (a server's queue being empty):
@@ -322,8 +321,9 @@ class BatchDecoder:
         row.stats.target_passes += 1
         row.stats.ttft_s = time.perf_counter() - row.start
 
-        def model(skip: int | None) -> ModelProposer:  # no window in a batch, so no skip
-            return ModelProposer(self.draft.e.row(r), self.vocab, self.pair.draft_ids)
+        def model(skip: int | None) -> ModelProposer:  # the lone run's window and skip; no memory across requests
+            return model_drafter(self.draft.e.row(r), self.vocab, self.pair.draft_ids, None, cfg.draft_window,
+                                 self.pair.device)(skip)
 
         state = PolicyState(history=self.pair.state.history)  # a fixed policy learns nothing else to keep
         row.policy = build(k, cfg.drafter, self.pair.manifest.max_draft_len, state, model=model, ngram_max=cfg.ngram_max,
@@ -433,8 +433,6 @@ def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: b
 
     if cfg.draft_len == "auto":
         raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
-    if cfg.draft_window:
-        raise ConfigError("batched decoding reads every prompt whole in the draft: draft_window must be 0 or unset")
     check_lone(m, prompt, cfg, draft_left_out)
 
 

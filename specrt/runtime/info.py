@@ -56,6 +56,7 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
                  "fits_without_draft": None if lean is None else lean <= room,
                  "max_len_that_fits": est.max_len_that_fits(room) if est.total > room else None}
     return {
+        "problems": problems(Path(pair_dir), m),
         "pair": str(pair_dir), "format": m.format, "format_version": m.format_version, "created_by": m.created_by,
         "vocab_size": m.vocab_size, "eos_token_ids": list(m.eos_token_ids), "max_len": m.max_len,
         "max_draft_len": m.max_draft_len, "kv_layout": m.kv_layout, "tokenizer_files": list(m.tokenizer_files),
@@ -66,6 +67,60 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
         "tuned": tuned,
         "engines": _engines(m, ort_version),
     }
+
+
+def problems(pair_dir: Path, m) -> list[str]:
+    """What is wrong with the pair's files, one line each (empty: nothing found): every graph file against its
+    sha256 (hashed unless unchanged since it last matched), each graph's structure and inputs and outputs
+    against the manifest, the tokenizer."""
+    from specrt.config import verify_files
+    from specrt.errors import SpecrtError
+    from specrt.runtime.text import TextCodec
+
+    found = []
+    for role, e in (("target", m.target), ("draft", m.draft)):
+        if e is None:
+            continue
+        try:
+            verify_files(pair_dir, e)
+        except SpecrtError as ex:
+            found.append(f"{role}: {ex}")
+            continue
+        why = _graph_problem(pair_dir / e.path, e)
+        if why:
+            found.append(f"{role}: {pair_dir / e.path} {why}")
+        if e.output_ids is not None and not (pair_dir / e.output_ids).is_file():
+            found.append(f"{role}: missing {pair_dir / e.output_ids} (listed in the manifest)")
+    for name in m.tokenizer_files:
+        if not (pair_dir / name).is_file():
+            found.append(f"tokenizer: missing {pair_dir / name} (listed in the manifest)")
+    if not any(f.startswith("tokenizer:") for f in found):
+        try:
+            TextCodec(pair_dir)
+        except SpecrtError as ex:
+            found.append(f"tokenizer: {ex}")
+    return found
+
+
+def _graph_problem(path: Path, e) -> str | None:
+    """Why the graph at `path` cannot be what its manifest entry says (None: it can), from its structure."""
+    try:
+        import onnx
+    except ImportError:  # checked by loading instead
+        return None
+    try:
+        g = onnx.load(str(path), load_external_data=False).graph
+    except Exception as ex:  # onnx and protobuf raise their own types for a damaged file
+        return f"is not an ONNX model ({str(ex).strip().splitlines()[0] if str(ex).strip() else type(ex).__name__})"
+    if not g.node:
+        return "has no nodes"
+    inits = {t.name for t in g.initializer}
+    names = {i.name for i in g.input if i.name not in inits}, {o.name for o in g.output}
+    for kind, have, want in (("inputs", names[0], set(e.inputs)), ("outputs", names[1], set(e.outputs))):
+        if have != want:
+            diff = sorted(have ^ want)[:3]
+            return f"has other {kind} than the manifest lists ({', '.join(diff)})"
+    return None
 
 
 def _int4_kernel(path: Path, e) -> dict | None:

@@ -28,6 +28,7 @@ order of the input nor on the batch it ran in.
 from __future__ import annotations
 
 import collections
+import fcntl
 import hashlib
 import json
 import math
@@ -167,6 +168,9 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
         except json.JSONDecodeError as e:
             records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: not JSON ({e.msg})"))
             continue
+        except RecursionError:
+            records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: JSON nested too deep"))
+            continue
         rid = rec.get("id") if isinstance(rec, dict) else None
         if not isinstance(rec, dict) or isinstance(rid, bool) or not isinstance(rid, (str, int)):
             why = "not a JSON object" if not isinstance(rec, dict) else (
@@ -218,22 +222,38 @@ class JobOutput:
         self._unsynced, self._synced_at = 0, time.monotonic()
         if self.path.is_dir():
             raise JobError(f"output {self.path} is a folder")
-        has_output = self.path.is_file() and self.path.stat().st_size > 0
-        if has_output and not overwrite:
-            self._check_identity(identity)
-        else:
-            # Old output first, then the new identity: a kill in between never pairs old lines with it.
-            if has_output:
-                try:
-                    self.path.unlink()
-                except OSError as e:
-                    raise JobError(f"cannot remove {self.path}: {e.strerror}") from None
-            self._write_sidecar(identity)
+        if self.path.exists() and not self.path.is_file():
+            raise JobError(f"output {self.path} is not a regular file (a job's output must be a file it can cut back)")
+        existed = self.path.exists()
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise JobError(f"cannot open output {self.path}: {e.strerror}") from None
-        self._recover()
+        try:
+            # one job at a time writes an output (and its sidecar): the lock lives as long as the job
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise JobError(f"{self.path} is being written by another specrt batch{_holder(self._fd)}; wait for it "
+                               "to end, or use another --output") from None
+            has_output = os.fstat(self._fd).st_size > 0
+            if has_output and not overwrite:
+                self._check_identity(identity)
+            else:
+                # Old output first, then the new identity: a kill in between never pairs old lines with it.
+                if has_output:
+                    os.ftruncate(self._fd, 0)
+                    os.fsync(self._fd)
+                self._write_sidecar(identity)
+            self._recover()
+        except BaseException as e:
+            os.close(self._fd)
+            self._fd = None
+            if not existed:
+                self.path.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise JobError(f"cannot prepare output {self.path}: {e.strerror}") from None
+            raise
 
     def _check_identity(self, identity: dict) -> None:
         hint = "use --overwrite to replace it, or another --output"
@@ -305,9 +325,13 @@ class JobOutput:
     def write(self, rec: dict) -> None:
         line = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
         view = memoryview(line)
-        while view:  # a regular file takes it in one write; loop only on a short write (disk full...)
-            n = os.write(self._fd, view)
-            view = view[n:]
+        end = os.fstat(self._fd).st_size
+        try:
+            while view:  # a regular file takes it in one write; loop only on a short write
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as e:  # disk full, quota, I/O error: cut back to the last whole record
+            self._failed(e, end)
         self.done.add(json.dumps(rec["id"], ensure_ascii=False))
         self.written += 1
         self._unsynced += 1
@@ -316,14 +340,55 @@ class JobOutput:
 
     def sync(self) -> None:
         if self._fd is not None and self._unsynced:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as e:  # a full disk can show only here, when the data is written back
+                self._failed(e, None)
         self._unsynced, self._synced_at = 0, time.monotonic()
+
+    def _failed(self, e: OSError, end: int | None) -> None:
+        """A write or fsync failed: the file ends at its last whole record (a rerun resumes from there)."""
+        try:
+            if end is not None:
+                os.ftruncate(self._fd, end)
+            self._recover_tail()
+        except OSError:
+            pass
+        raise JobError(f"cannot write {self.path}: {e.strerror}; {self.written} records written this run, the file "
+                       "ends at the last whole record and a rerun with the same --output resumes there") from None
+
+    def _recover_tail(self) -> None:
+        """Cut a partly written last line off (what a failed write-back may leave)."""
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            data = os.pread(self._fd, min(size, 1 << 20), max(0, size - (1 << 20)))
+            nl = data.rfind(b"\n")
+            os.ftruncate(self._fd, size - len(data) + nl + 1 if nl >= 0 else max(0, size - len(data)))
 
     def close(self) -> None:
         if self._fd is not None:
-            self.sync()
+            try:
+                self.sync()
+            except JobError:
+                pass  # the error that stopped the job is the one to report
             os.close(self._fd)
             self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """" (pid N: its command)" of the process holding the lock on `fd`'s file, from /proc/locks (Linux)."""
+    try:
+        st = os.fstat(fd)
+        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if "FLOCK" in parts and where in parts:
+                pid = parts[parts.index(where) - 1]
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f" (pid {pid}: {cmd[:120]})" if cmd else f" (pid {pid})"
+    except (OSError, ValueError, IndexError):
+        pass
+    return ""
 
 
 def _parse_line(b: bytes) -> dict | None:
@@ -486,6 +551,9 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
     s = resolve_settings(m, settings)
     codec = TextCodec(pair_dir)
     records, digest = read_records(Path(input_path), codec, m, s)
+    if Path(output_path).exists() and os.path.samefile(input_path, output_path):
+        raise JobError(f"--input and --output are the same file ({output_path}): results would be written into "
+                       "the prompts; choose another --output")
     # a local job resumes drafting from the outputs already written (Ray actors each keep their own)
     out = JobOutput(Path(output_path), job_identity(pair_dir, m, digest, s), overwrite,
                     keep_tokens=history_cap if ray_address is None else 0, vocab=m.vocab_size)

@@ -188,7 +188,7 @@ class Pair:
         pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
         `draft_window`: the most tokens the draft model reads in one catch-up pass (the prompt, what
         n-gram rounds emitted); further behind, it reads only the last ones (0: no limit). Default:
-        32 on the CPU, no limit on a GPU (runtime.proposers.default_window).
+        32 on the CPU, no limit on a GPU, alone and as a batch row (runtime.proposers.default_window).
         """
         cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
                           drafter=drafter, draft_window=draft_window,
@@ -365,15 +365,10 @@ class Pair:
         """The draft-length policy and proposers of a request (runtime/policy.build), learning into `state`
         (default: the Pair's)."""
         from specrt.runtime.policy import build
-        from specrt.runtime.proposers import ModelProposer, default_window
+        from specrt.runtime.proposers import model_drafter
 
-        window = (default_window(self.device) if cfg.draft_window is None else cfg.draft_window) or None
-
-        def model(skip: int | None) -> ModelProposer:
-            skip = min(skip, window) if skip and window else None  # an unwindowed draft reads what it missed
-            return ModelProposer(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, window,
-                                 skip=skip)
-
+        model = model_drafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, cfg.draft_window,
+                              self.device)
         return build(cfg.draft_len, cfg.drafter, self.manifest.max_draft_len, self.state if state is None else state,
                      model if self.draft is not None else None, cfg.ngram_max,
                      self.auto_config if config is None else config)

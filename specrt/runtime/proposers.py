@@ -13,7 +13,7 @@ decoding drives many rows' coroutines in lockstep through one batched pass per p
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,11 +92,24 @@ class DraftMemory:
 
 
 def default_window(device: str) -> int:
-    """The draft model's catch-up window when none is asked for (0: no limit). On the CPU a pass costs by
-    the token it reads (int4 0.5B draft: ~2.6 ms a token, a 150-token prompt ~11 target steps), and
-    reading only the last 32 drafted better than reading it all or the last 16 or 64 (bench/RESULTS.md).
-    On a GPU a pass over a few hundred tokens costs about one step: the draft keeps it all."""
+    """The draft model's catch-up window when none is asked for (0: no limit), the one place that decides
+    it for a request alone and for a row of the batched decoder alike. On the CPU a pass costs by the token
+    it reads, and reading only the last 32 drafted better than reading it all or the last 16 or 64
+    (bench/RESULTS.md). On a GPU a pass over a few hundred tokens costs about one step: no limit."""
     return 32 if device == "cpu" else 0
+
+
+def model_drafter(engine: Engine, vocab: int, ids: np.ndarray | None, memory: DraftMemory | None,
+                  draft_window: int | None, device: str) -> Callable[[int | None], ModelProposer]:
+    """What builds a request's ModelProposer (given the policy's `skip`) from its `draft_window` (None: the
+    device's default): one rule for a request alone and for a batch row, so both draft, and draw, alike."""
+    window = (default_window(device) if draft_window is None else draft_window) or None
+
+    def model(skip: int | None) -> ModelProposer:
+        skip = min(skip, window) if skip and window else None  # an unwindowed draft reads what it missed
+        return ModelProposer(engine, vocab, ids, memory, window, skip=skip)
+
+    return model
 
 
 class ModelProposer:
@@ -157,8 +170,12 @@ class ModelProposer:
             if self.memory is not None:
                 self.memory.forget()
                 self.memory = None
-        elif self.window is not None and self._unread(seq) > self.window:
-            self.off = len(seq) - self.window  # start over from the last `window` tokens
+        elif self.window is not None and (self._unread(seq) > self.window or
+                                          self.fresh and self.off != max(0, len(seq) - self.window)):
+            # start over from the last `window` tokens; a request's first read always sees those (the prompt
+            # from its start if shorter), whatever the memory kept, so that what the draft sees depends on
+            # the request alone
+            self.off = max(0, len(seq) - self.window)
             self.engine.truncate(0)
         feed = seq[self.off + self.engine.length:]  # whatever the draft has not seen, x_last included
         self.fresh = False

@@ -163,7 +163,7 @@ class Scheduler:
                 job.batched, jobs[id(job)] = True, job
                 cfg = job.cfg
                 k = self.batch_draft_len if cfg.draft_len == "auto" else cfg.draft_len
-                yield Request(id(job), job.prompt, replace(cfg, draft_len=k, draft_window=0), job.deliver,
+                yield Request(id(job), job.prompt, replace(cfg, draft_len=k), job.deliver,
                               self._stop_fn(job))
                 job = None
 

@@ -30,6 +30,7 @@ class TextCodec:
             self.chat_template = jinja.read_text(encoding="utf-8")
 
     def encode(self, text: str) -> list[int]:
+        check_text(text, "the prompt")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -55,10 +56,65 @@ class TextCodec:
             raise ConfigError(f"chat template failed: {e}") from None
 
 
+def check_text(text: str, what: str) -> None:
+    """ConfigError unless `text` is text that UTF-8 can hold: a lone surrogate (from a JSON escape such as
+    \\ud800, or bytes that were not UTF-8 on a command line) is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not valid text: character {e.start} is {text[e.start]!r}, a lone surrogate "
+                          "(invalid UTF-8 in the input?)") from None
+
+
 def _token_text(tok) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok
+
+
+def _prefix_function(s: str) -> list[int]:
+    """pi[i]: the length of the longest proper prefix of s[:i + 1] that is also a suffix of it."""
+    pi = [0] * len(s)
+    for i in range(1, len(s)):
+        k = pi[i - 1]
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        pi[i] = k + 1 if s[i] == s[k] else k
+    return pi
+
+
+class _StopMatcher:
+    """Where stop strings occur in a text fed piece by piece. Per stop string, the state of a
+    Knuth-Morris-Pratt automaton (how long a prefix of it the text ends with) advances one character at a
+    time: a piece costs O(its characters x stop strings), whatever the length of the text before it."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.fail = [_prefix_function(s) for s in stops]
+        self.state = [0] * len(stops)
+
+    def feed(self, piece: str, at: int) -> int | None:
+        """Advance over `piece`, which starts at index `at` of the text; the index where the earliest
+        stop string completed in it begins, or None."""
+        first = None
+        for k, s in enumerate(self.stops):
+            st, fail = self.state[k], self.fail[k]
+            for i, ch in enumerate(piece):
+                while st and s[st] != ch:
+                    st = fail[st - 1]
+                if s[st] == ch:
+                    st += 1
+                if st == len(s):  # later matches of this string begin later
+                    start = at + i - len(s) + 1
+                    first = start if first is None else min(first, start)
+                    st = fail[st - 1]
+                    break
+            self.state[k] = st
+        return first
+
+    def pending(self) -> int:
+        """Characters at the end of the text that may begin a stop string."""
+        return max(self.state, default=0)
 
 
 class TextStream:
@@ -66,7 +122,7 @@ class TextStream:
 
     Text that could still turn out to be the start of a stop string is held back. When a stop string
     appears, `stopped` becomes True, the text ends before it, and `n_tokens` is the number of tokens
-    up to the one that completed it.
+    up to the one that completed it. Looking for the stop strings costs each round O(its new text).
     """
 
     def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
@@ -74,7 +130,7 @@ class TextStream:
 
         self.codec, self.stop = codec, stop
         self._decoder = DecodeStream(skip_special_tokens=True)  # buffers split UTF-8 sequences itself
-        self._longest_stop = max((len(s) for s in stop), default=0)
+        self._stops = _StopMatcher(stop)
         self.text = ""  # text so far (ends before a stop string once stopped)
         self.tokens: list[int] = []
         self._shown = 0
@@ -91,11 +147,10 @@ class TextStream:
             chunk = self._decoder.step(self.codec.tokenizer, t)
             if not chunk:
                 continue
-            start = max(0, len(self.text) - self._longest_stop)  # a stop string can only end in the new chunk
+            hit = self._stops.feed(chunk, len(self.text))
             self.text += chunk
-            hits = [i for s in self.stop if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                self.text, self.stopped = self.text[: min(hits)], True
+            if hit is not None:
+                self.text, self.stopped = self.text[:hit], True
         return self._flush()
 
     def finish(self) -> str:
@@ -107,12 +162,8 @@ class TextStream:
 
     def _flush(self, final: bool = False) -> str:
         safe = len(self.text)
-        if not final and not self.stopped:
-            for s in self.stop:  # hold back a tail that may begin a stop string
-                for j in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:j]):
-                        safe = min(safe, len(self.text) - j)
-                        break
+        if not final and not self.stopped:  # hold back a tail that may begin a stop string
+            safe -= min(self._stops.pending(), len(self.text))
         chunk = self.text[self._shown:safe]
         self._shown = max(self._shown, safe)
         return chunk
