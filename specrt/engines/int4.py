@@ -146,6 +146,24 @@ def _attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _swap(nodes, refusal, inits, make) -> tuple[int, dict[str, int]]:
+    """Replace, in place, each node `refusal` finds nothing against by `make(node, attributes)`; count the
+    others by reason."""
+    swapped, refused = 0, {}
+    for node in nodes:
+        reason = refusal(node, inits)
+        if reason:
+            refused[reason] = refused.get(reason, 0) + 1
+        else:
+            node.CopyFrom(make(node, _attrs(node)))
+            swapped += 1
+    return swapped, refused
+
+
+def _reasons(refused: dict[str, int]) -> str | None:
+    return "; ".join(f"{n} with {r}" for r, n in refused.items()) or None
+
+
 def _refusal(node, inits: dict) -> str | None:
     """Why the kernel does not take this MatMulNBits node (None: it does)."""
     from onnx import TensorProto
@@ -221,32 +239,23 @@ def plan(model_path: Path, choice: str | None = None):
     simd = unavailable()  # a CPU without any of the matmul's SIMD paths: onnxruntime's MatMulNBits
     if nodes and not simd:
         path = chosen_path(choice)
-        for node in nodes:
-            reason = _refusal(node, inits)
-            if reason:
-                refused[reason] = refused.get(reason, 0) + 1
-                continue
-            a = _attrs(node)
+
+        def matmul(node, a):
             ins = list(node.input) + [""] * (6 - len(node.input))
-            node.CopyFrom(helper.make_node(OP, [ins[0], ins[1], ins[2], ins[3], ins[5]], list(node.output),
-                                           name=node.name, domain=DOMAIN, K=a["K"], N=a["N"], bits=4,
-                                           block_size=a["block_size"], path=path))
-            swapped += 1
-    why = simd if nodes else None
-    why = why or "; ".join(f"{n} with {r}" for r, n in refused.items()) or None
-    a_swapped, a_refused = 0, {}
-    for node in attn:  # portable C++: every CPU the library runs on takes it
-        reason = _attention_refusal(node, inits)
-        if reason:
-            a_refused[reason] = a_refused.get(reason, 0) + 1
-            continue
-        a = _attrs(node)
+            return helper.make_node(OP, [ins[0], ins[1], ins[2], ins[3], ins[5]], list(node.output), name=node.name,
+                                    domain=DOMAIN, K=a["K"], N=a["N"], bits=4, block_size=a["block_size"], path=path)
+
+        swapped, refused = _swap(nodes, _refusal, inits, matmul)
+    why = (simd if nodes else None) or _reasons(refused)
+
+    def attention(node, a):
         ins = list(node.input) + [""] * (17 - len(node.input))
-        node.CopyFrom(helper.make_node(ATTENTION, [*ins[0:6], ins[7], ins[8], ins[16]], list(node.output),
-                                       name=node.name, domain=DOMAIN, num_heads=a["num_heads"],
-                                       kv_num_heads=a["kv_num_heads"], scale=float(a.get("scale", 0.0))))
-        a_swapped += 1
-    a_why = "; ".join(f"{n} with {r}" for r, n in a_refused.items()) or None
+        return helper.make_node(ATTENTION, [*ins[0:6], ins[7], ins[8], ins[16]], list(node.output), name=node.name,
+                                domain=DOMAIN, num_heads=a["num_heads"], kv_num_heads=a["kv_num_heads"],
+                                scale=float(a.get("scale", 0.0)))
+
+    a_swapped, a_refused = _swap(attn, _attention_refusal, inits, attention)  # portable C++: every CPU takes it
+    a_why = _reasons(a_refused)
     other = sum(n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") and n.input[1] in inits
                 for n in model.graph.node)
     kernel = Kernel(path if swapped else None, swapped, len(nodes), why, a_swapped, len(attn), a_why, other)
