@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Install specrt with its export, test, ray and serve extras into the current Python.
+# Install specrt with its export, test, ray, serve and plots extras into the current Python.
 # torch is installed first, pinned to the CPU build that lies on this machine kind's disk, so that the
 # unpinned `torch>=2.4` of the export extra never pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
-$PY -m pip install -q --disable-pip-version-check -e ".[export,test,ray,serve]"
+$PY -m pip install -q --disable-pip-version-check -e ".[export,test,ray,serve,plots]"

@@ -13,7 +13,13 @@ COMMANDS = (export.export, build_engines.build_engines, fetch.fetch, generate.ge
             info.info, check.check, batch.batch, serve.serve)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Main(click.Group):
+    def parse_args(self, ctx, args):
+        ctx.meta["specrt.argv"] = ["specrt", *args]  # as typed: reports print the command that made them
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="specrt")
 def main():
     """Lossless speculative decoding: export a draft/target pair, then generate with it."""

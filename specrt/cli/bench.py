@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import batch_size_list, device_option, draft_len_list, errors, load_pair
+from specrt.cli.common import batch_size_list, command_line, device_option, draft_len_list, errors, load_pair
 
 
 @click.command()
@@ -28,10 +28,12 @@ from specrt.cli.common import batch_size_list, device_option, draft_len_list, er
               help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "
                    "(whole prompt list per setting, slots refilled; fixed draft lengths only).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="Also measure this machine's pass costs and write DIR/index.html with plots (needs specrt[plots]).")
 @device_option
 @errors
 def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
-          batch_sizes, json_out):
+          batch_sizes, json_out, report_dir):
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
     from specrt.errors import ConfigError
@@ -47,6 +49,10 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
             raise ConfigError(f"cannot write --json {json_out}: not a writable file path")
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if report_dir is not None:
+        from specrt.runtime import report
+
+        report.require(report_dir)
     sampling = SamplingConfig(temperature=temperature)
     with load_pair(pair_dir, device) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
@@ -66,6 +72,14 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
                 res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling, drafters=names,
                                 progress=lambda: bar.update(1))
             table = format_table(res)
+        if report_dir is not None:
+            from specrt.runtime.tune import measure_costs
+
+            costs = measure_costs(pair, batch_sizes=tuple(batch_sizes or ()))
+            page = report.write_report(report_dir, report.header(pair, command_line()), costs, pair.manifest.max_draft_len,
+                                       bench=None if batch_sizes else res, batch=res if batch_sizes else None)
     click.echo(table)
+    if report_dir is not None:
+        click.echo(f"report: {page}")
     if json_out:
         json_out.write_text(json.dumps(res, indent=2))

@@ -33,6 +33,11 @@ def errors(fn):
     return wrapper
 
 
+def command_line() -> list[str]:
+    """The command as typed (kept by the `specrt` group), for files that say how they were made."""
+    return click.get_current_context().meta.get("specrt.argv", ["specrt"])
+
+
 def device_option(fn):
     """`--device` for the commands that load a pair (generate, bench, tune, check)."""
     return click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "tensorrt"]), default="auto",

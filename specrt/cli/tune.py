@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import BadInput, device_option, draft_len_list, errors, load_pair
+from specrt.cli.common import BadInput, command_line, device_option, draft_len_list, errors, load_pair
 
 
 @click.command()
@@ -22,9 +22,12 @@ from specrt.cli.common import BadInput, device_option, draft_len_list, errors, l
 @click.option("--repeats", type=int, default=1, show_default=True, help="Timed repeats per setting.")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--dry-run", is_flag=True, help="Print what would be chosen; leave the manifest alone.")
+@click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
+              help="Also write DIR/index.html with plots of what was measured (needs specrt[plots]).")
 @device_option
 @errors
-def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_new_tokens, repeats, limit, dry_run):
+def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_new_tokens, repeats, limit, dry_run,
+         report_dir):
     """Measure this device and the prompts, pick the fastest drafting settings, store them in the manifest."""
     from specrt.errors import ConfigError
     from specrt.runtime.bench import format_table, read_prompts, settings_grid
@@ -38,12 +41,20 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     if not dry_run:
         _check_writable(pair_dir)  # before minutes of measuring, not after
+    if report_dir is not None:
+        from specrt.runtime import report
+
+        report.require(report_dir)
     with load_pair(pair_dir, device, use_tuned=False) as pair:
         names = [d.strip() for d in (drafters or ("model,ngram,hybrid" if pair.draft else "ngram")).split(",")]
         plist = read_prompts(prompts, pair, limit)
         total = repeats * len(plist) * len(settings_grid(draft_lens, names, stops))
         with click.progressbar(length=total, label="tune", file=sys.stderr) as bar:
             tuned = run_tune(pair, plist, max_new_tokens, repeats, draft_lens, names, stops, lambda: bar.update(1))
+        if report_dir is not None:
+            chosen = f"drafter {tuned['drafter']}, draft_len {tuned['draft_len']}, confidence_stop {tuned['confidence_stop']}"
+            page = report.write_report(report_dir, report.header(pair, command_line()), tuned["costs"],
+                                       pair.manifest.max_draft_len, bench=tuned["bench"], chosen=chosen)
     click.echo(format_table(tuned["bench"]))
     c = tuned["costs"]
     widths = ", ".join(f"{w}: {s * 1000:.1f}" for w, s in c["target_s"].items())
@@ -58,6 +69,8 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
         except OSError as e:  # the results are printed above: say why they are not stored
             raise BadInput(f"could not store the results above in {pair_dir}/manifest.json: {e.strerror}") from None
         click.echo(f"stored in {pair_dir}/manifest.json; generate, bench and the API now use these defaults")
+    if report_dir is not None:
+        click.echo(f"report: {page}")
 
 
 def _check_writable(pair_dir: Path) -> None:

@@ -16,12 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from specrt.config import read_manifest, write_manifest
+from specrt.runtime.batch import batch_engine
 from specrt.runtime.bench import run_bench
 
 
-def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
+def measure_costs(pair, past: int = 128, repeats: int = 5, batch_sizes: tuple[int, ...] = ()) -> dict:
     """Median seconds of one draft pass and of a target pass per width 1..max_draft_len+1, over `past`
-    slots, and what each token of a draft catch-up (one pass over `past` tokens) costs beyond the first."""
+    slots, and what each token of a draft catch-up (one pass over `past` tokens) costs beyond the first.
+    `batch_sizes`: also a target pass of one token in each of B rows over `past` slots (`batch_s`)."""
     m = pair.manifest
     past = min(past, m.max_len - m.max_draft_len - 2)
     ctx = np.arange(past)[None] % m.vocab_size
@@ -39,11 +41,32 @@ def measure_costs(pair, past: int = 128, repeats: int = 5) -> dict:
 
     pair.forget_caches()  # the timing passes overwrite the caches
     target_s = {w: timed(pair.target, w, np.arange(w)) for w in range(1, m.max_draft_len + 2)}
-    if pair.draft is None:
-        return {"draft_s": None, "target_s": target_s, "draft_read_s": None}
-    draft_s = timed(pair.draft, 1, np.array([0]))
-    read = timed(pair.draft, past, np.array([past - 1]), at=0)
-    return {"draft_s": draft_s, "target_s": target_s, "draft_read_s": max(read - draft_s, 0.0) / (past - 1)}
+    out = {"draft_s": None, "target_s": target_s, "draft_read_s": None}
+    if batch_sizes:
+        out["batch_s"] = {b: _batch_pass(pair, b, ctx, repeats) for b in batch_sizes}
+    if pair.draft is not None:
+        draft_s = timed(pair.draft, 1, np.array([0]))
+        read = timed(pair.draft, past, np.array([past - 1]), at=0)
+        out.update(draft_s=draft_s, draft_read_s=max(read - draft_s, 0.0) / (past - 1))
+    return out
+
+
+def _batch_pass(pair, b: int, ctx: np.ndarray, repeats: int) -> float:
+    """Median seconds of a target pass of one token in each of `b` rows over `ctx` (the engine batching uses)."""
+    past = ctx.shape[1]
+    engine = batch_engine(pair.dir, pair.target, past + 8, b, b)
+    try:
+        engine.forward(np.repeat(ctx, b, axis=0), np.array([past - 1]))
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            for r in range(b):
+                engine.set_length(r, past)
+            t = time.perf_counter()
+            engine.forward(ctx[:, :1].repeat(b, axis=0), np.array([0]))
+            times.append(time.perf_counter() - t)
+    finally:
+        engine.close()
+    return statistics.median(times[1:])
 
 
 def conditional(accepted_per_position: list[float]) -> list[float]:
