@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from specrt.cli.batch import batch
@@ -238,6 +239,111 @@ def test_progress_bar_on_stderr(qwen_dir, tmp_path):
     r = invoke(qwen_dir, "--input", inp, "--output", tmp_path / "o.jsonl", "--max-new-tokens", 3, "--batch-size", 2)
     assert r.exit_code == 0 and r.stdout == ""
     assert "5/5" in r.stderr and "tok/s" in r.stderr and "acceptance" in r.stderr
+
+
+# ------------------------------------------------------------------------------ --draft-len auto
+
+AUTO_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n    return", "class Stack:",
+                [40, 41, 40, 41, 40]]
+
+
+@pytest.fixture(scope="module")
+def target_only_dir(qwen_dir, tmp_path_factory):
+    """The qwen pair's target alone: a pair without a draft model."""
+    from _helpers import copy_pair
+
+    d = copy_pair(qwen_dir, tmp_path_factory.mktemp("solo") / "pair")
+    m = json.loads((d / "manifest.json").read_text())
+    m["draft"] = None
+    (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+def _auto_job(pair_dir, tmp_path, *extra):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(AUTO_PROMPTS)]
+                      + [{"id": "bad", "prompt": "x", "temperature": -1}])
+    out = tmp_path / "out.jsonl"
+    r = invoke(pair_dir, "--input", inp, "--output", out, "--max-new-tokens", 16, "--draft-len", "auto",
+               "--no-progress", *extra)
+    return r, out
+
+
+def test_draft_len_auto_at_batch_size_1_runs_records_as_generate(qwen_dir, qwen_pair, tmp_path):
+    r, out = _auto_job(qwen_dir, tmp_path, "--batch-size", 1)
+    assert r.exit_code == 0, r.output
+    assert "wrote 4 records" in r.stderr and "(1 errors" in r.stderr
+    assert r.stderr.splitlines()[-1].endswith("batch size 1")
+    recs = read_out(out)
+    assert set(recs) == {"0", "1", "2", '"bad"'} and "temperature" in recs['"bad"']["error"]
+    for i, p in enumerate(AUTO_PROMPTS):
+        rec, res = recs[str(i)], qwen_pair.generate(p, max_new_tokens=16, draft_len="auto")
+        assert set(rec) == {"id", "text", "tokens", "finish_reason", "stats"}
+        assert (rec["tokens"], rec["text"], rec["finish_reason"]) == (res.tokens, res.text, res.finish_reason), i
+        assert rec["tokens"] == qwen_pair.generate(p, max_new_tokens=16, draft_len=0).tokens  # lossless
+        assert rec["stats"]["draft_len"] == "auto" and rec["stats"]["batch_size"] == 1
+    # generate's default drafter, named in the job's identity
+    settings = json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]
+    assert (settings["draft_len"], settings["drafter"]) == ("auto", qwen_pair.default_drafter) == ("auto", "hybrid")
+    # Resumable as any job: a rerun finds every id written; a lost record runs again.
+    lines = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(lines[:2]))
+    r = _auto_job(qwen_dir, tmp_path, "--batch-size", 1)[0]
+    assert r.exit_code == 0 and "2 of 4 records already" in r.stderr
+    got = read_out(out)
+    assert got.keys() == recs.keys()
+    for k, want in recs.items():
+        assert all(got[k].get(f) == want.get(f) for f in ("tokens", "text", "error")), k
+
+
+def test_draft_len_auto_with_batch_size_auto_runs_at_1(qwen_dir, qwen_pair, tmp_path):
+    r, out = _auto_job(qwen_dir, tmp_path)  # --batch-size auto is the default
+    assert r.exit_code == 0, r.output
+    assert "batch size auto: 1 (--draft-len auto runs one record at a time)" in r.stderr
+    assert r.stderr.splitlines()[-1].endswith("batch size 1")
+    recs = read_out(out)
+    for i, p in enumerate(AUTO_PROMPTS):
+        assert recs[str(i)]["tokens"] == qwen_pair.generate(p, max_new_tokens=16, draft_len=0).tokens
+
+
+@pytest.mark.parametrize("drafter,solo", [("model", False), ("hybrid", False), ("ngram", False), ("suffix", False),
+                                          ("ngram", True), ("suffix", True)])
+def test_draft_len_auto_takes_every_drafter(qwen_dir, target_only_dir, qwen_pair, tmp_path, drafter, solo):
+    """Each drafter at batch size 1; prompt lookup (ngram, suffix) needs no draft model."""
+    r, out = _auto_job(target_only_dir if solo else qwen_dir, tmp_path, "--batch-size", 1, "--drafter", drafter)
+    assert r.exit_code == 0, r.output
+    recs = read_out(out)
+    used = set()
+    for i, p in enumerate(AUTO_PROMPTS):
+        st = recs[str(i)]["stats"]
+        assert recs[str(i)]["tokens"] == qwen_pair.generate(p, max_new_tokens=16, draft_len=0).tokens, i
+        assert st["draft_len"] == "auto"
+        used |= set(st["rounds_by_drafter"])
+        if drafter in ("ngram", "suffix"):
+            assert st["draft_passes"] == 0
+    allowed = {"model": {"model"}, "hybrid": {"model", "ngram", "suffix"}}.get(drafter, {"ngram", "suffix"})
+    assert used <= allowed, used
+    assert json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]["drafter"] == drafter
+
+
+def test_draft_len_auto_default_drafter_without_a_draft_model(target_only_dir, qwen_pair, tmp_path):
+    r, out = _auto_job(target_only_dir, tmp_path, "--batch-size", 1)
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]["drafter"] == "ngram"
+    assert read_out(out)["0"]["tokens"] == qwen_pair.generate(AUTO_PROMPTS[0], max_new_tokens=16, draft_len=0).tokens
+
+
+def test_draft_len_auto_refusals(qwen_dir, target_only_dir, tmp_path):
+    for b in (2, 8):
+        r, out = _auto_job(qwen_dir, tmp_path, "--batch-size", b)
+        one_line_error(r, f"--draft-len auto runs one record at a time, not batches of {b}", "--batch-size 1",
+                       "fixed --draft-len")
+        assert not out.exists()
+    for drafter in ("model", "hybrid"):
+        r, out = _auto_job(target_only_dir, tmp_path, "--batch-size", 1, "--drafter", drafter)
+        one_line_error(r, "no draft model", drafter)
+        assert not out.exists()
+    r = invoke(qwen_dir, "--input", tmp_path / "in.jsonl", "--output", tmp_path / "o.jsonl", "--draft-len", "sometimes")
+    assert r.exit_code == 2 and "--draft-len" in r.stderr and "Traceback" not in r.output
 
 
 # ------------------------------------------------------------------------------ SIGKILL and resume

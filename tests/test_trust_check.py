@@ -222,6 +222,24 @@ def test_info_text(qwen_dir):
     assert r.stderr == ""
 
 
+def test_info_untuned_line_says_what_a_request_gets(qwen_dir, qwen_pair, tmp_path):
+    """The defaults come from the rule that decides them (pair.request_defaults), with a draft model and without."""
+    import specrt
+
+    line = "tuned:     no (a request gets: drafter {}, draft_len auto); run `specrt tune` on this machine"
+    cfg = qwen_pair.config()
+    assert (cfg.drafter, cfg.draft_len) == ("hybrid", "auto")
+    assert line.format("hybrid") in run(info, qwen_dir).stdout
+    assert json.loads(run(info, qwen_dir, "--json").stdout)["defaults"] == {"drafter": "hybrid", "draft_len": "auto"}
+    d = copy_pair(qwen_dir, tmp_path / "solo")
+    _edit_manifest(d, lambda m: m.update(draft=None))
+    r = run(info, d)
+    assert r.exit_code == 0, r.output
+    assert line.format("ngram") in r.stdout
+    with specrt.load(d) as solo:
+        assert (solo.config().drafter, solo.config().draft_len) == ("ngram", "auto")
+
+
 def test_info_json(qwen_dir):
     from specrt.runtime.memory import estimate
     from specrt.config import read_manifest

@@ -5,18 +5,8 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import batch_size_value, errors, parse_draft_len
+from specrt.cli.common import batch_size_value, draft_len_value, errors
 from specrt.config import HISTORY_CAP
-
-
-def _draft_len(ctx, param, value):
-    """generate's --draft-len parser, minus 'auto' (a batch needs a fixed draft length)."""
-    if value is None:
-        return None
-    k = parse_draft_len(value)
-    if k == "auto":
-        raise click.BadParameter("a batch needs a fixed draft length (an integer >= 0), not 'auto'")
-    return k
 
 
 @click.command()
@@ -28,18 +18,21 @@ def _draft_len(ctx, param, value):
               help='JSONL of results, one {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"} a '
                    "line. A rerun with the same output resumes where it stopped.")
 @click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
-              help="Sequences decoded together, or 'auto': measure 1, 2, 4, 8 on the first records, keep the fastest.")
+              help="Sequences decoded together, or 'auto': measure 1, 2, 4, 8 on the first records, keep the fastest "
+                   "(with --draft-len auto: 1).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most new tokens per record (a record's own value wins).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy (a record's own value wins).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens, 0 = off (a record's own value wins).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep, 1.0 = off (a record's own value wins).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Base seed: a record without its own \"seed\" uses one derived from this and its id.")
-@click.option("--draft-len", default=None, callback=_draft_len,
-              help="Draft tokens per round, 0 = target only (default: the tuned length if fixed, else 4).")
+@click.option("--draft-len", default=None, callback=draft_len_value,
+              help="Draft tokens per round, 0 = target only, or 'auto': generate's per-round policy, one record at a "
+                   "time (--batch-size 1 or auto). Default: the tuned length if fixed, else 4.")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,
-              help="Drafter (default: the tuned one, else model, or ngram for a pair without a draft model); suffix: "
-                   "prompt lookup over the record and the outputs of the records before it.")
+              help="Drafter (default: the tuned one, else model, with --draft-len auto hybrid as in generate, or "
+                   "ngram for a pair without a draft model); suffix: prompt lookup over the record and the outputs "
+                   "of the records before it.")
 @click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
               help="Most tokens of earlier outputs the suffix drafter keeps (4 bytes each; the oldest go first).")
 @click.option("--chat/--no-chat", default=False, show_default=True,

@@ -121,7 +121,9 @@ def format_info(d: dict) -> str:
                      "a re-export stores them in int4, about half the pair's size on disk")
     t = d["tuned"]
     if t is None:
-        lines.append("tuned:     no (defaults: drafter model or ngram, draft_len auto); run `specrt tune` on this machine")
+        df = d["defaults"]
+        lines.append(f"tuned:     no (a request gets: drafter {df['drafter']}, draft_len {df['draft_len']}); "
+                     "run `specrt tune` on this machine")
     else:
         meas = t.get("measured") or {}
         speed = f"{meas['tokens_per_s']:.1f} tok/s" if meas.get("tokens_per_s") is not None else "speed not recorded"

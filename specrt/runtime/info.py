@@ -13,6 +13,7 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
     from specrt.config import read_manifest
     from specrt.errors import PairError
     from specrt.runtime import memory
+    from specrt.runtime.pair import request_defaults
 
     m = read_manifest(pair_dir)
     for e in (m.target, m.draft):
@@ -39,6 +40,8 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
         t = m.tuned
         tuned = {k: t.get(k) for k in ("drafter", "draft_len", "confidence_stop", "acceptance", "costs", "measured")}
         tuned["stale"] = t.get("graphs") != m.graph_hashes()
+    # what a request that names no drafter or draft length gets (a stale "tuned" entry is refused at load)
+    drafter, draft_len = request_defaults(m.tuned if tuned and not tuned["stale"] else None, m.draft is not None)
     try:
         import onnxruntime as ort
 
@@ -65,6 +68,7 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
                    "max_len_that_fits": est.max_len_that_fits(avail) if fits is False else None},
         "budget": board,
         "tuned": tuned,
+        "defaults": {"drafter": drafter, "draft_len": draft_len},
         "engines": _engines(m, ort_version),
     }
 

@@ -20,7 +20,9 @@ Guarantees of the output file:
 
 A record without its own "seed" samples with a seed derived from the job's seed and its id, so two
 records with the same prompt are independent samples, and a record's result depends neither on the
-order of the input nor on the batch it ran in.
+order of the input nor on the batch it ran in. Except with draft_len "auto" (batch size 1, as `generate`
+runs): its round lengths follow measured timings and what earlier records taught the policy, so a
+sampled record is a faithful sample but not draw for draw reproducible; greedy output is still exact.
 
 `--ray`: the driver reads, validates and writes exactly as above; Ray actors each load the pair once
 (from PAIR_DIR, which must exist at that path on every node) and decode shards of records.
@@ -57,14 +59,15 @@ class JobError(SpecrtError):
 @dataclass(frozen=True)
 class JobSettings:
     """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop.
-    None means the pair's default (what `specrt tune` stored, else see batch.default_draft_len)."""
+    None means the pair's default (what `specrt tune` stored, else see batch.default_draft_len).
+    draft_len "auto": generate's per-round policy, one record at a time (batch size 1, see `Runner`)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    draft_len: int | None = None
+    draft_len: int | str | None = None
     drafter: str | None = None
     confidence_stop: float | None = None
     chat: bool = False
@@ -86,17 +89,21 @@ class Record:
 def resolve_settings(m, s: JobSettings) -> JobSettings:
     """Fill the pair's defaults in, so that the job identity names what actually runs."""
     from specrt.runtime.batch import default_draft_len, default_drafter
+    from specrt.runtime.pair import request_defaults
 
     tuned = m.tuned or {}
     if tuned and tuned.get("graphs") != m.graph_hashes():
         tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
-    drafter = s.drafter or default_drafter(m, tuned)
+    if s.draft_len == "auto":  # records run as `generate` runs them: its default drafter too
+        drafter = s.drafter or request_defaults(tuned, m.draft is not None)[0]
+    else:
+        drafter = s.drafter or default_drafter(m, tuned)
     k = default_draft_len(m, tuned) if s.draft_len is None else s.draft_len
     cs = tuned.get("confidence_stop", 0.0) if s.confidence_stop is None else s.confidence_stop
     out = replace(s, drafter=drafter, draft_len=k, confidence_stop=cs)
     # Checks of the job-wide settings: a ConfigError before anything runs.
     _config(out, {}, 0)
-    if k > m.max_draft_len:
+    if k != "auto" and k > m.max_draft_len:
         raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
                           "(set at export with --max-draft-len)")
     if k and drafter in ("model", "hybrid") and m.draft is None:
@@ -150,7 +157,9 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
     """Parse and validate every line. Returns (records, sha256 of the file). Bad records become
     records with an error; duplicate ids, an unreadable or empty file raise JobError."""
     from specrt.runtime.batch import check_request
+    from specrt.runtime.pair import check_request as check_lone
 
+    check = check_lone if s.draft_len == "auto" else check_request  # auto: each record runs alone (Runner)
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
@@ -181,7 +190,7 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
         try:
             r.prompt = _encode(codec, m, rec, s.chat)
             r.cfg = _config(s, rec, record_seed(s.seed, r.key))
-            check_request(m, r.prompt, r.cfg)
+            check(m, r.prompt, r.cfg)
         except (ValueError, TypeError, SpecrtError) as e:
             r.prompt = r.cfg = None
             r.error = f"line {n}: {e}"
@@ -428,7 +437,13 @@ class Runner:
     `try_plain`: with "auto", also time each size without drafting (draft_len 0) and keep whichever of
     the two is faster there. Batching and speculation compete for the same spare compute: measured on
     the int4 pair, drafting pays at batch 1 and costs at batch 4 and 8 (bench/RESULTS.md). Only for jobs
-    whose draft length is the pair's default, not one the user asked for."""
+    whose draft length is the pair's default, not one the user asked for.
+
+    Requests with draft_len "auto" (a job's draft length is one for all its records; run_job allows it at
+    batch size 1 or "auto", which then means 1) run one at a time through `Pair.run`, the path of
+    `generate`: the policy picks each round's length from one request's measured pass costs and the
+    acceptance learnt in the pair's PolicyState, which carries over from record to record as between
+    `generate` calls."""
 
     def __init__(self, pair, batch_size: int | str, log=None, try_plain: bool = False):
         self.pair, self.log = pair, log or (lambda s: None)
@@ -445,6 +460,14 @@ class Runner:
         from specrt.runtime.batch import BatchDecoder, Request
 
         reqs, i = list(requests), 0
+        if reqs and reqs[0].cfg.draft_len == "auto":
+            if self.chosen is None:
+                self.log("batch size auto: 1 (--draft-len auto runs one record at a time)")
+                self.chosen = 1
+            for r in reqs:
+                res = self.pair.run(r.prompt, r.cfg)
+                yield r.key, replace(res, stats={**res.stats, "batch_size": 1})
+            return
         if self.chosen is None:
             trials = [(b, plain) for b in AUTO_SIZES for plain in ((False, True) if self.try_plain else (False,))]
             for b, plain in trials:
@@ -549,6 +572,10 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
     pair_dir = Path(pair_dir)
     m = read_manifest(pair_dir)
     s = resolve_settings(m, settings)
+    if s.draft_len == "auto" and batch_size not in ("auto", 1):
+        raise ConfigError(f"--draft-len auto runs one record at a time, not batches of {batch_size}: its policy picks "
+                          "each round's length from one request's pass costs, and the rows of a batch share each "
+                          "pass; use --batch-size 1 (or auto), or a fixed --draft-len to batch")
     codec = TextCodec(pair_dir)
     records, digest = read_records(Path(input_path), codec, m, s)
     if Path(output_path).exists() and os.path.samefile(input_path, output_path):

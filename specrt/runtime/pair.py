@@ -230,15 +230,15 @@ class Pair:
 
     @property
     def default_drafter(self) -> str:
-        """What `specrt tune` chose, else hybrid (with draft_len auto the fastest setting measured overall,
-        bench/RESULTS.md), or prompt lookup for a pair without a draft model."""
-        return tuned_drafter(self.tuned, self.draft is not None) or ("hybrid" if self.draft is not None else "ngram")
+        """The drafter a request gets unless told (see `request_defaults`)."""
+        return request_defaults(self.tuned, self.draft is not None)[0]
 
     def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
         """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
+        default_drafter, default_len = request_defaults(self.tuned, self.draft is not None)
         return GenerationConfig(
-            draft_len=self.tuned.get("draft_len", "auto") if draft_len is None else draft_len,
-            drafter=drafter or self.default_drafter,
+            draft_len=default_len if draft_len is None else draft_len,
+            drafter=drafter or default_drafter,
             confidence_stop=self.tuned.get("confidence_stop", 0.0) if confidence_stop is None else confidence_stop,
             **kw)
 
@@ -486,6 +486,14 @@ def tuned_drafter(tuned: dict | None, has_draft: bool) -> str | None:
     """The drafter `specrt tune` chose, unless it needs a draft model that is not loaded."""
     chosen = (tuned or {}).get("drafter")
     return chosen if chosen and (has_draft or chosen not in ("model", "hybrid")) else None
+
+
+def request_defaults(tuned: dict | None, has_draft: bool) -> tuple[str, int | str]:
+    """(drafter, draft_len) of a request that names neither: what `specrt tune` chose, else hybrid (with
+    draft_len auto the fastest setting measured overall, bench/RESULTS.md), or prompt lookup for a pair
+    without a draft model (`has_draft`: one is loaded), and draft_len auto. `specrt info` shows these."""
+    drafter = tuned_drafter(tuned, has_draft) or ("hybrid" if has_draft else "ngram")
+    return drafter, (tuned or {}).get("draft_len", "auto")
 
 
 def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False) -> None:
