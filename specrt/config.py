@@ -301,11 +301,14 @@ def write_manifest(pair_dir: str | os.PathLike, manifest: Manifest) -> None:
         raise
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22, on_read=None) -> str:
+    """`on_read(n)`, if given, hears of each block of n bytes as it is hashed (a progress bar)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+            if on_read is not None:
+                on_read(len(block))
     return h.hexdigest()
 
 

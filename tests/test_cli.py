@@ -136,7 +136,7 @@ def test_export_draft_vocab_default(monkeypatch, tmp_path, args, draft_vocab):
 
     seen = []
 
-    def export_pair(cfg, log):
+    def export_pair(cfg, log, progress):
         seen.append(cfg)
         return SimpleNamespace(vocab_size=1, max_len=16, max_draft_len=1)
 

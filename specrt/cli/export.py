@@ -1,6 +1,7 @@
 """`specrt export`: a draft and a target checkpoint become one ONNX pair folder (export/pair.py)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -43,6 +44,8 @@ DEFAULT_DRAFT_VOCAB = 49152  # --draft-vocab for a pair with a draft (README: fa
 @click.option("--asymmetric/--symmetric", default=True, show_default=True,
               help="int4: a 4-bit zero point per block as well as a scale (closer to the weights, same speed).")
 @click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
+@click.option("--quiet", is_flag=True,
+              help="No progress lines or bars (shown only when stderr is a terminal); the other messages stay.")
 @click.option("--draft-vocab", type=int, default=None,
               help=f"Keep only the N most frequent token ids in the draft's output matrix (0 = all; default: "
                    f"{DEFAULT_DRAFT_VOCAB} with a --draft, all of them if the vocabulary is no larger); a cheaper "
@@ -52,9 +55,10 @@ DEFAULT_DRAFT_VOCAB = 49152  # --draft-vocab for a pair with a draft (README: fa
 @errors
 def export(target, draft, out, precision, activations, portable, no_query_seqlens, engine, prefill_chunk, max_draft_len,
            max_len, block_size, accuracy_level, embedding_bits, embedding_block_size, asymmetric, draft_vocab,
-           draft_vocab_texts, overwrite):
+           draft_vocab_texts, overwrite, quiet):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
     from specrt.export.pair import ExportConfig, export_pair
+    from specrt.export.progress import Progress
 
     if draft_vocab is None:
         draft_vocab = DEFAULT_DRAFT_VOCAB if draft else 0
@@ -65,5 +69,5 @@ def export(target, draft, out, precision, activations, portable, no_query_seqlen
                        activations=activations or "", query_seqlens=False if no_query_seqlens else None,
                        embedding_bits=None if embedding_bits is None else int(embedding_bits),
                        embedding_block_size=embedding_block_size)
-    m = export_pair(cfg, log=log)
+    m = export_pair(cfg, log=log, progress=Progress(None if quiet or not sys.stderr.isatty() else sys.stderr))
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.config import Manifest, ModelEntry, sha256_file
+from specrt.config import Manifest, ModelEntry
 from specrt.engines.ort import kv_offset
 from specrt.errors import ExportError, PairError
+from specrt.export.progress import QUIET, Progress, hash_files
 
 ALIGN = 256  # bytes: TensorRT's alignment for the addresses given to set_tensor_address
 
@@ -193,7 +194,7 @@ def check_engine_meta(meta: dict | None, trt_version: str, capability: str, pair
 
 
 def build_pair_engines(pair_dir, manifest: Manifest, prefill_chunk: int = 256, log=print,
-                       workspace: int = 2 << 30) -> Manifest:
+                       workspace: int = 2 << 30, progress: Progress = QUIET) -> Manifest:
     """Build one engine per model of a portable pair into its folder; return the manifest with "engines"."""
     trt = require_tensorrt()
     pair_dir = Path(pair_dir)
@@ -214,8 +215,10 @@ def build_pair_engines(pair_dir, manifest: Manifest, prefill_chunk: int = 256, l
         profs = profiles(e, role, manifest.max_len, manifest.max_draft_len, prefill_chunk)
         plan = pair_dir / role / "model.plan"
         log(f"building the {role} TensorRT engine ({', '.join(p['name'] for p in profs)} profiles) ...")
-        build_engine(trt, pair_dir / e.path, profs, plan, cache_path, workspace, tf32=e.dtype != "float32")
-        meta[role] = {"plan": f"{role}/model.plan", "sha256": sha256_file(plan), "profiles": profs}
+        with progress.of(role).step("building the engine"):
+            build_engine(trt, pair_dir / e.path, profs, plan, cache_path, workspace, tf32=e.dtype != "float32")
+        digest, = hash_files([plan], progress.of(role))
+        meta[role] = {"plan": f"{role}/model.plan", "sha256": digest, "profiles": profs}
     return replace(manifest, engines=meta)
 
 

@@ -96,11 +96,19 @@ def save_tokenizer(src: Source, out: Path) -> Path:
 def load_model(src: Source, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # The exporter's "loading" step reports this: transformers' own bar would break into that line, or
+    # print where the export was asked to be quiet. (A GGUF's dequantization bar is plain tqdm: it stays.)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=getattr(torch, dtype), **src.kwargs())
     except Exception as e:
         raise ExportError(f"cannot load the model {src.spec}: {_first_line(e)}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 

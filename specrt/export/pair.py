@@ -13,9 +13,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, sha256_file, write_manifest
+from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, write_manifest
 from specrt.errors import ExportError
 from specrt.export.graph import SUPPORTED_MODEL_TYPES
+from specrt.export.progress import QUIET, Progress, hash_files
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -102,7 +103,8 @@ class ExportConfig:
                 raise ExportError(f"calibration text not found: {t}")
 
 
-def export_pair(cfg: ExportConfig, log=print) -> Manifest:
+def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Manifest:
+    """`log`: what the user should know (one line each); `progress`: the long steps as they run."""
     from specrt.export import load
 
     out = Path(cfg.out)
@@ -123,7 +125,7 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
     try:
         tmp.mkdir()
         roles = {"target": cfg.target} | ({"draft": cfg.draft} if cfg.draft else {})
-        sources = {r: load.resolve(s) for r, s in roles.items()}
+        sources = {r: load.resolve(s, progress=progress.on) for r, s in roles.items()}
         for role, src in sources.items():
             a, b = out.resolve(), src.folder.resolve()
             if a == b or a in b.parents or b in a.parents:
@@ -149,11 +151,11 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
         if cfg.draft_vocab >= vocab:
             log(f"draft vocabulary: --draft-vocab {cfg.draft_vocab} >= the {vocab} ids of the pair, keeping them all")
         elif cfg.draft_vocab:
-            output_ids["draft"] = draft_vocab_ids(cfg, tmp / "tokenizer.json", vocab, eos, log)
+            output_ids["draft"] = draft_vocab_ids(cfg, tmp / "tokenizer.json", vocab, eos, log, progress)
         entries = {}
         for role, src in sources.items():
             log(f"exporting {role} ({src.spec}) ...")
-            entries[role] = export_model(src, tmp / role, cfg, output_ids.get(role))
+            entries[role] = export_model(src, tmp / role, cfg, output_ids.get(role), progress.of(role))
             gc.collect()
         for role in roles:
             shutil.rmtree(tmp / f"tok-{role}")
@@ -171,7 +173,8 @@ def export_pair(cfg: ExportConfig, log=print) -> Manifest:
         if cfg.engine == "tensorrt":
             from specrt.engines import trt
 
-            manifest = trt.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log)
+            manifest = trt.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log,
+                                              progress=progress)
         write_manifest(tmp, manifest)
         _swap_in(tmp, out)
         return manifest
@@ -301,14 +304,15 @@ def check_tokenizers(tok_files: dict[str, Path], widths: dict[str, int]) -> int:
     return vocab
 
 
-def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always, log=print):
+def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always, log=print, progress=QUIET):
     """The draft's kept output ids, counted on the calibration texts (see export/vocab.py)."""
     from tokenizers import Tokenizer
 
     from specrt.export import vocab as v
 
     texts = list(cfg.draft_vocab_texts) or v.default_corpus()
-    counts = v.calibration_counts(tokenizer_file, texts, vocab, strict=bool(cfg.draft_vocab_texts))
+    with progress.of("draft vocabulary").step("counting calibration tokens"):
+        counts = v.calibration_counts(tokenizer_file, texts, vocab, strict=bool(cfg.draft_vocab_texts))
     if not counts.any():
         raise ExportError("the calibration texts hold no tokens; give --draft-vocab-text FILE")
     special = list(Tokenizer.from_file(str(tokenizer_file)).get_added_tokens_decoder())  # ids of added tokens
@@ -319,7 +323,7 @@ def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always,
     return ids
 
 
-def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> ModelEntry:
+def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None, progress: Progress = QUIET) -> ModelEntry:
     """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked.
     `output_ids`: keep only these rows of the output matrix (a restricted draft vocabulary)."""
     import numpy as np
@@ -328,32 +332,36 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     from specrt.export import graph, load
 
     folder.mkdir()
-    model = load.load_model(src, cfg.dtype)
+    with progress.step("loading"):
+        model = load.load_model(src, cfg.dtype)
     path = folder / "model.onnx"
-    if cfg.graph == "lean":
-        q_lens = graph.gqa_has_query_seqlens() if cfg.query_seqlens is None else cfg.query_seqlens
-        # rotary tables for every position a cache holds: batch caches have max_draft_len + 1 slots spare
-        wrapper = graph.export_lean(model, path, cfg.max_len + cfg.max_draft_len + 1, output_ids, q_lens)
-    else:
-        wrapper = graph.export_portable(model, path, cfg.max_len, output_ids)
+    with progress.step("tracing"):
+        if cfg.graph == "lean":
+            q_lens = graph.gqa_has_query_seqlens() if cfg.query_seqlens is None else cfg.query_seqlens
+            # rotary tables for every position a cache holds: batch caches have max_draft_len + 1 slots spare
+            wrapper = graph.export_lean(model, path, cfg.max_len + cfg.max_draft_len + 1, output_ids, q_lens)
+        else:
+            wrapper = graph.export_portable(model, path, cfg.max_len, output_ids)
     spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
                 num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim, hidden_size=int(model.config.hidden_size),
                 intermediate_size=int(model.config.intermediate_size),
                 logits_width=int(model.config.vocab_size) if output_ids is None else len(output_ids))
     del model, wrapper
     gc.collect()
-    _consolidate(path)
+    _consolidate(path, progress)
     quant = embedding = None
     if cfg.precision == "int4":
-        quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric)
+        quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric, progress)
     sliced = cfg.precision == "int4" and cfg.dtype == "float32"  # a CPU graph (on a GPU: more launches a pass)
     if sliced or cfg.embedding:  # both edits in memory, one write
-        proto = onnx.load(str(path))
-        if sliced:
-            slice_wide_matmuls(proto)
-        if cfg.embedding:
-            embedding = quantize_embedding(proto, path, cfg.embedding, cfg.embedding_block_size)
-        _save(proto, path)
+        with progress.step("quantizing the embeddings" if cfg.embedding else "slicing the output matrix"):
+            proto = onnx.load(str(path))
+            if sliced:
+                slice_wide_matmuls(proto)
+            if cfg.embedding:
+                embedding = quantize_embedding(proto, path, cfg.embedding, cfg.embedding_block_size)
+        with progress.step("writing"):
+            _save(proto, path)
         del proto
     if output_ids is not None:
         np.save(folder / "output_ids.npy", np.asarray(output_ids, np.int64))
@@ -361,7 +369,8 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
     proto = onnx.load(str(path), load_external_data=False)
     for p in folder.iterdir():
         p.chmod(0o644)  # onnx writes external data owner-only; a pair folder is meant to be shared
-    files = {p.name: sha256_file(p) for p in sorted(folder.iterdir())}
+    paths = sorted(folder.iterdir())
+    files = {p.name: digest for p, digest in zip(paths, hash_files(paths, progress))}
     inputs, outputs = _io_spec(proto.graph.input), _io_spec(proto.graph.output)
     # The tracer leaves dims symbolic where shape inference stops (at contrib ops); the config fixes them.
     Hkv, D = spec["num_kv_heads"], spec["head_dim"]
@@ -380,12 +389,13 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None) -> Model
                       weights=weight_bytes(proto, path.parent), **spec)
 
 
-def _consolidate(path: Path) -> None:
+def _consolidate(path: Path, progress: Progress = QUIET) -> None:
     """One external-data file per graph (the exporter may scatter one file per tensor)."""
     import onnx
 
     if any(p != path for p in path.parent.iterdir()):
-        _save(onnx.load(str(path)), path)
+        with progress.step("writing"):
+            _save(onnx.load(str(path)), path)
 
 
 def _save(proto, path: Path) -> None:
@@ -398,7 +408,8 @@ def _save(proto, path: Path) -> None:
                     location=path.name + ".data", size_threshold=1024)
 
 
-def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: bool = True) -> dict:
+def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: bool = True,
+                  progress: Progress = QUIET) -> dict:
     """Weight-only int4 (onnxruntime's MatMulNBits) for every MatMul with a constant weight."""
     import logging
 
@@ -410,12 +421,23 @@ def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: b
     algo = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level)
     q = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
                              algo_config=algo)
-    q.process()
+    matmuls = sum(n.op_type in algo.op_types_to_quantize for n in model.graph.node)
+    with progress.step("quantizing", total=matmuls, unit="node") as advance:
+        quantize = q.node_quantizer.quantize  # the quantizer offers no progress hook: count the nodes it is given
+
+        def counted(node, graph_stack):
+            nodes = quantize(node, graph_stack)
+            advance(1)
+            return nodes
+
+        q.node_quantizer.quantize = counted
+        q.process()
     del model
-    for p in path.parent.iterdir():
-        p.unlink()
-    q.model.save_model_to_file(str(path), use_external_data_format=True)
-    _consolidate(path)
+    with progress.step("writing"):
+        for p in path.parent.iterdir():
+            p.unlink()
+        q.model.save_model_to_file(str(path), use_external_data_format=True)
+        _consolidate(path)
     return {"method": "MatMulNBits", "bits": 4, "block_size": block_size, "accuracy_level": accuracy_level,
             "symmetric": symmetric}
 
