@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import specrt
 from specrt.cli import main
 from specrt.runtime.policy import Controller, CostModel
 from specrt.runtime.report import break_even
@@ -56,6 +57,10 @@ def test_report_files_and_their_data(bench_report, same_dir):
     costs = data["costs"]
     assert sorted(int(w) for w in costs["target_s"]) == list(range(1, max_k + 2))
     assert costs["draft_s"] > 0
+    # measured over the context these prompts decode at: their median length plus half the new tokens
+    with specrt.load(same_dir) as pair:
+        lengths = sorted(len(pair.encode(p)) for p in ("def quicksort(xs):", "import numpy as", "The weather today"))
+    assert costs["past"] == lengths[1] + 12 // 2
     # break-even: a k-draft round costs k draft passes and a (k+1)-wide target pass, over one plain pass
     # (the policy never takes a width's cost above what a wider pass measured)
     t = {int(w): s for w, s in costs["target_s"].items()}
@@ -83,6 +88,9 @@ def test_report_files_and_their_data(bench_report, same_dir):
     assert first["speedup"] == pytest.approx(sum(ratios) / 2)  # the median of two repeats
     # the model draft is the target: every greedy draft is accepted at every position
     assert rows[("model", 3)]["accepted_per_position"] == [1.0, 1.0, 1.0]
+    # a round of 3 accepted drafts emits 4 tokens (but a last round cut short by max_new_tokens or an EOS)
+    assert 2.5 < rows[("model", 3)]["tokens_per_round"] <= 4.0
+    assert 0.9 < rows[("none", 0)]["tokens_per_round"] <= 1.0
 
 
 def test_report_page_embeds_every_picture(bench_report):

@@ -75,7 +75,9 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
         if report_dir is not None:
             from specrt.runtime.tune import measure_costs
 
-            costs = measure_costs(pair, batch_sizes=tuple(batch_sizes or ()))
+            # over a past as long as these prompts' median plus half the new tokens: the context they decode at
+            past = sorted(len(p.ids) for p in plist)[len(plist) // 2] + max_new_tokens // 2
+            costs = measure_costs(pair, past=past, batch_sizes=tuple(batch_sizes or ()))
             page = report.write_report(report_dir, report.header(pair, command_line()), costs, pair.manifest.max_draft_len,
                                        bench=None if batch_sizes else res, batch=res if batch_sizes else None)
     click.echo(table)

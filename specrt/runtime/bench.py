@@ -151,6 +151,7 @@ def _summarize(k, runs: list, repeats: int) -> dict:
         prop.pop()
     pos = [a / p if p else 0.0 for a, p in zip(acc, prop)]
     itl = [1 / s["decode_tokens_per_s"] for s in stats if s["decode_tokens_per_s"] > 0]
+    rounds = sum(s["rounds"] for s in stats)
     return {
         "draft_len": k,
         "tokens_per_s": statistics.median(per_repeat),
@@ -162,6 +163,8 @@ def _summarize(k, runs: list, repeats: int) -> dict:
         "acceptance_rate": sum(s["accepted"] for s in stats) / proposed if proposed else 0.0,
         "accepted_per_position": pos,
         "tokens_per_target_pass": sum(s["new_tokens"] for s in stats) / sum(s["target_passes"] for s in stats),
+        # per verify pass after the prompt's (what a round emits, as the cost model's break-even counts it)
+        "tokens_per_round": sum(s["new_tokens"] - 1 for s in stats) / rounds if rounds else 0.0,
         "ttft_ms": statistics.median(s["ttft_s"] for s in stats) * 1000,
         "itl_ms": statistics.median(itl) * 1000 if itl else 0.0,
     }

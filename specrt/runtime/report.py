@@ -221,7 +221,8 @@ def _acceptance(bench: dict, even: list[dict]):
             k = r["draft_len"]
             be = even[k - 1][kind] if isinstance(k, int) and k <= len(even) else None
             if be and be["acceptance"] is not None:  # a uniform acceptance at exactly break-even
-                ax.plot(range(1, k + 1), [be["acceptance"] ** (j + 1) for j in range(k)], "--", color=color, alpha=0.7)
+                ax.plot(range(1, k + 1), [be["acceptance"] ** (j + 1) for j in range(k)], "_--", ms=14, color=color,
+                        alpha=0.7)
             elif be:
                 unpaid.append(str(k))
         if unpaid:
@@ -252,7 +253,7 @@ def _costs(costs: dict, even: list[dict], bench: dict | None, max_k: int):
         a.plot(sizes, [costs["batch_s"][s] * 1000 for s in sizes], "s--", label="target pass, W rows of one token")
     if costs.get("draft_s"):
         a.axhline(costs["draft_s"] * 1000, color="gray", ls=":", label="draft pass, one token")
-    a.set_xlabel("tokens in the pass (W)")
+    a.set_xlabel(f"tokens in the pass (W), after {costs['past']} tokens" if costs.get("past") else "tokens in the pass (W)")
     a.set_ylabel("ms (median)")
     a.set_ylim(bottom=0)
     a.set_title("what a wider pass costs on this machine")
@@ -265,11 +266,12 @@ def _costs(costs: dict, even: list[dict], bench: dict | None, max_k: int):
     b.axhline(1, color="gray", lw=0.8)
     for r in (bench or {}).get("rows", []):
         if isinstance(r["draft_len"], int) and r["draft_len"] > 0:
-            b.plot(r["draft_len"], r["tokens_per_target_pass"], "x", ms=9, color="black" if r["drafter"] == "model" else "#d62728")
+            b.plot(r["draft_len"], r["tokens_per_round"], "x", ms=9,
+                   color="black" if r["drafter"] == "model" else "#d62728")
     b.plot([], [], "x", color="black", label="measured: model")
     b.plot([], [], "x", color="#d62728", label="measured: lookup / hybrid")
     b.set_xlabel("draft length k")
-    b.set_ylabel("tokens per target pass")
+    b.set_ylabel("tokens per round (target pass)")
     b.set_xticks(range(1, max_k + 1))
     b.set_title("a k-draft round pays above its break-even")
     b.legend(fontsize=8)
@@ -393,11 +395,11 @@ def _tables(data: dict) -> str:
     out.append("</table>")
     if data["bench"]:
         out.append("<h2>Settings</h2><table><tr><th>setting</th><th>tokens/s</th><th>speedup</th><th>accepted</th>"
-                   "<th>tokens per target pass</th><th>TTFT ms</th><th>ITL ms</th></tr>")
+                   "<th>tokens per round</th><th>TTFT ms</th><th>ITL ms</th></tr>")
         for r in data["bench"]["rows"]:
             sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
             out.append(f"<tr><td>{html.escape(label(r))}</td><td>{r['tokens_per_s']:.2f}</td><td>{sp}</td>"
-                       f"<td>{r['acceptance_rate']:.0%}</td><td>{r['tokens_per_target_pass']:.2f}</td>"
+                       f"<td>{r['acceptance_rate']:.0%}</td><td>{r['tokens_per_round']:.2f}</td>"
                        f"<td>{r['ttft_ms']:.1f}</td><td>{r['itl_ms']:.1f}</td></tr>")
         out.append("</table>")
     return "\n".join(out)

@@ -41,7 +41,7 @@ def measure_costs(pair, past: int = 128, repeats: int = 5, batch_sizes: tuple[in
 
     pair.forget_caches()  # the timing passes overwrite the caches
     target_s = {w: timed(pair.target, w, np.arange(w)) for w in range(1, m.max_draft_len + 2)}
-    out = {"draft_s": None, "target_s": target_s, "draft_read_s": None}
+    out = {"draft_s": None, "target_s": target_s, "draft_read_s": None, "past": past}
     if batch_sizes:
         out["batch_s"] = {b: _batch_pass(pair, b, ctx, repeats) for b in batch_sizes}
     if pair.draft is not None:
