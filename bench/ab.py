@@ -4,7 +4,7 @@
         [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] VARIANT=OVERRIDES ...
 
 A variant is a name and comma-separated overrides of GenerationConfig fields (draft_len, drafter,
-draft_window, confidence_stop, ngram_max, ...) and runtime.policy.AutoConfig fields (calibration,
+draft_window, confidence_stop, ngram_max, ...) and spec.policy.PolicyConfig fields (calibration,
 widen_every, ...), e.g. `model_auto=draft_len=auto,drafter=model` and
 `no_widen=draft_len=auto,drafter=model,widen_every=0`. A variant "none" (target-only) is always run.
 
@@ -40,9 +40,9 @@ import numpy as np
 
 import specrt
 from specrt.config import GenerationConfig
-from specrt.runtime.bench import read_prompts
-from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
-from specrt.runtime.proposers import History
+from specrt.apps.bench import read_prompts
+from specrt.decoding.policy import PolicyConfig, CostModel, PolicyState
+from specrt.decoding.proposers import History
 
 
 class FrozenCosts(CostModel):
@@ -130,11 +130,11 @@ class Meter:
         return total
 
 
-def priced_run(pair, meter: Meter, state: PolicyState, config: AutoConfig, ids: list[int], cfg,
+def priced_run(pair, meter: Meter, state: PolicyState, config: PolicyConfig, ids: list[int], cfg,
                shared: int = 0) -> dict:
     """One request in a variant's own state and settings, its caches holding only the first `shared` tokens
     of its prompt (0: its prompt read whole); its stats, with "priced_s" the priced seconds of its passes."""
-    pair.state, pair.auto_config = state, config
+    pair.state, pair.policy_config = state, config
     pair.draft_memory.keep(shared)
     pair.prompt_cache.keep(shared)
     meter.take()
@@ -143,11 +143,11 @@ def priced_run(pair, meter: Meter, state: PolicyState, config: AutoConfig, ids: 
     return stats
 
 
-def parse_variant(text: str) -> tuple[str, dict, AutoConfig]:
-    """"name=field=value,field=value" -> (name, GenerationConfig overrides, AutoConfig)."""
+def parse_variant(text: str) -> tuple[str, dict, PolicyConfig]:
+    """"name=field=value,field=value" -> (name, GenerationConfig overrides, PolicyConfig)."""
     name, _, rest = text.partition("=")
     gen_fields = {f.name for f in dataclasses.fields(GenerationConfig)}
-    auto_fields = {f.name for f in dataclasses.fields(AutoConfig)}
+    auto_fields = {f.name for f in dataclasses.fields(PolicyConfig)}
     gen, auto = {}, {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
@@ -160,8 +160,8 @@ def parse_variant(text: str) -> tuple[str, dict, AutoConfig]:
         elif key in auto_fields:
             auto[key] = value
         else:
-            sys.exit(f"variant {name}: {key!r} is neither a GenerationConfig nor an AutoConfig field")
-    return name, gen, dataclasses.replace(AutoConfig(), **auto)
+            sys.exit(f"variant {name}: {key!r} is neither a GenerationConfig nor an PolicyConfig field")
+    return name, gen, dataclasses.replace(PolicyConfig(), **auto)
 
 
 def main(argv=None) -> dict:
@@ -180,7 +180,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, help="onnxruntime threads (priced times do not depend on them)")
     a = ap.parse_args(argv)
-    variants = {"none": ({"draft_len": 0}, AutoConfig())}
+    variants = {"none": ({"draft_len": 0}, PolicyConfig())}
     for text in a.variants:
         name, gen, auto = parse_variant(text)
         variants[name] = (gen, auto)

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from specrt.config import sha256_file
+from specrt.manifest import sha256_file
 
 
 def main(src: str, dst: str) -> None:

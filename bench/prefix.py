@@ -5,7 +5,7 @@
 
 The prompts run in order, as a job runs them, under each setting (draft length:drafter) twice per prompt,
 back to back in alternating order: "kept" with the target's cache holding what the previous prompt left
-in it (runtime/prefix.py: the whole chunks they share), "read" with it emptied first, today's behaviour
+in it (decoding/prefix.py: the whole chunks they share), "read" with it emptied first, today's behaviour
 before prefix reuse. Each (setting, mode) drafts from its own history of outputs, as a job running only
 it would. Prints, per setting: job tokens/s in both modes and their ratio, the median time to first token,
 prompt tokens kept, and how many greedy outputs differ between the modes (a fixed length: must be 0;
@@ -20,8 +20,8 @@ import sys
 
 import specrt
 from specrt.config import GenerationConfig
-from specrt.runtime.bench import read_prompts
-from specrt.runtime.proposers import History
+from specrt.apps.bench import read_prompts
+from specrt.decoding.proposers import History
 
 
 def main() -> int:

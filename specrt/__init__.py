@@ -4,8 +4,8 @@
     pair = specrt.load("PAIR_DIR")
     res = pair.generate("def quicksort(xs):", max_new_tokens=64)
 """
+from specrt.api.pair import Pair, Result, load
 from specrt.errors import ConfigError, ExportError, FetchError, PairError, SpecrtError
-from specrt.runtime.pair import Pair, Result, load
 
 __all__ = ["load", "Pair", "Result", "SpecrtError", "PairError", "ConfigError", "ExportError", "FetchError"]
 __version__ = "0.1.0"

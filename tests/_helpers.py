@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-from specrt.runtime.policy import CostModel
+from specrt.decoding.policy import CostModel
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]  # + 3 specials = 11 ids
 EOS_ID = 2  # "<|im_end|>" in every tiny tokenizer
@@ -104,7 +104,7 @@ class FakeEngine:
 
 def fake_exact_joint(target: FakeEngine, prompt: list[int], cfg, n: int = 3) -> np.ndarray:
     """Exact probability of every first-n-token sequence under `target` warped by `cfg`, flat [V**n]."""
-    from specrt.runtime.sampling import warp
+    from specrt.decoding.sampling import warp
 
     V = target.T.shape[0]
 

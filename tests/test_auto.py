@@ -12,14 +12,14 @@ from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joi
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.decode import decode
-from specrt.runtime.policy import Auto, AutoConfig, Calibration, Controller, CostModel, Fixed, PolicyState
-from specrt.runtime.proposers import History, LookupProposer, ModelProposer
+from specrt.decoding.decode import decode
+from specrt.decoding.policy import Auto, PolicyConfig, Calibration, Controller, CostModel, Fixed, PolicyState
+from specrt.decoding.proposers import History, LookupProposer, ModelProposer
 
 
-def config(**kw) -> AutoConfig:
+def config(**kw) -> PolicyConfig:
     """The default policy settings with some changed."""
-    return replace(AutoConfig(), **kw)
+    return replace(PolicyConfig(), **kw)
 
 
 def cheap_drafts():
@@ -168,7 +168,7 @@ def test_hybrid_auto_has_one_controller_per_drafter(qwen_pair, monkeypatch):
     """hybrid + auto: the n-gram and the model proposals are judged on their own acceptance and cost
     (a free n-gram proposal that is rarely right must not make the model draft look bad, or vice versa);
     the pair carries each drafter's learned acceptance to its next request separately."""
-    monkeypatch.setattr(qwen_pair, "auto_config", config(min_match=1))  # the random tiny model rarely repeats 2 tokens
+    monkeypatch.setattr(qwen_pair, "policy_config", config(min_match=1))  # the random tiny model rarely repeats 2 tokens
     prompt = list(range(3, 40)) + list(range(3, 20))  # repeats: the n-gram drafter has proposals
     monkeypatch.setattr(qwen_pair.state, "history", None)  # (with one, the base run's output would draft too)
     base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0).tokens
@@ -207,7 +207,7 @@ def test_hybrid_ngram_rounds_count_toward_the_models_probe(qwen_pair, monkeypatc
     assert [auto.choose(8) for _ in range(6)] == [0, 0, 0, 0, 0, 1]  # 16 rounds since the last probe
 
     waits = []
-    monkeypatch.setattr(qwen_pair, "auto_config", config(min_match=1))
+    monkeypatch.setattr(qwen_pair, "policy_config", config(min_match=1))
     monkeypatch.setattr(Controller, "wait", lambda self: waits.append(1))
     # deterministic choices: n-gram proposals look worth verifying, the model draft costs more than it brings
     monkeypatch.setattr(qwen_pair.state, "costs", FrozenCosts(draft_s=1.5, target_s={1: 1.0, 9: 1.0}))

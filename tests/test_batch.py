@@ -1,4 +1,4 @@
-"""Batched speculative decoding (runtime/batch.py): every request gets exactly what it gets alone.
+"""Batched speculative decoding (decoding/batch.py): every request gets exactly what it gets alone.
 
 Greedy: token for token. Sampling: each row draws from its own generator in the order a lone run
 would, so seeded batch results equal seeded lone results draw for draw (which also proves the
@@ -13,7 +13,10 @@ import pytest
 
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.batch import BatchDecoder, Request, Rows, batch_engine, check_request, generate_batch
+from specrt.decoding.batch import BatchDecoder, Request, Rows
+from specrt.engines.select import batch_engine
+from specrt.api.requests import check
+from specrt.api.pair import generate_batch
 
 TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
 ID_PROMPTS = [[5], [40, 41, 42, 43], list(range(3, 60))]
@@ -127,10 +130,10 @@ def test_many_seeds_and_eos(stat_pair):
 
 
 def test_rows_follow_the_pairs_policy_settings(qwen_pair, monkeypatch):
-    """A row's policy takes the pair's AutoConfig, as the request alone does (hybrid's min_match here)."""
-    from specrt.runtime.policy import AutoConfig
+    """A row's policy takes the pair's PolicyConfig, as the request alone does (hybrid's min_match here)."""
+    from specrt.decoding.policy import PolicyConfig
 
-    monkeypatch.setattr(qwen_pair, "auto_config", dataclasses.replace(AutoConfig(), min_match=1))
+    monkeypatch.setattr(qwen_pair, "policy_config", dataclasses.replace(PolicyConfig(), min_match=1))
     prompt = list(range(3, 40)) + list(range(3, 20))
     cfg = GenerationConfig(max_new_tokens=40, draft_len=3, drafter="hybrid")
     alone = _alone(qwen_pair, prompt, cfg)
@@ -245,19 +248,19 @@ def test_bad_requests(qwen_pair):
     pair, m = qwen_pair, qwen_pair.manifest
     ok = GenerationConfig(max_new_tokens=8, draft_len=2)
     with pytest.raises(ConfigError, match="fixed draft_len"):
-        check_request(m, [5], dataclasses.replace(ok, draft_len="auto"))
-    check_request(m, [5], dataclasses.replace(ok, draft_window=16))  # a row reads by the lone run's window
+        check(m, [5], dataclasses.replace(ok, draft_len="auto"), batched=True)
+    check(m, [5], dataclasses.replace(ok, draft_window=16), batched=True)  # a row reads by the lone run's window
     with pytest.raises(ConfigError, match="max_draft_len"):
-        check_request(m, [5], dataclasses.replace(ok, draft_len=m.max_draft_len + 1))
+        check(m, [5], dataclasses.replace(ok, draft_len=m.max_draft_len + 1), batched=True)
     with pytest.raises(ConfigError, match="max_len"):
-        check_request(m, list(range(3, 3 + m.max_len)), ok)
+        check(m, list(range(3, 3 + m.max_len)), ok, batched=True)
     with pytest.raises(ConfigError, match="max_new_tokens <="):
-        check_request(m, [5], dataclasses.replace(ok, max_new_tokens=m.max_len))
+        check(m, [5], dataclasses.replace(ok, max_new_tokens=m.max_len), batched=True)
     with pytest.raises(ConfigError, match="no draft model"):
-        check_request(dataclasses.replace(m, draft=None), [5], ok)
-    check_request(dataclasses.replace(m, draft=None), [5], dataclasses.replace(ok, drafter="ngram"))
+        check(dataclasses.replace(m, draft=None), [5], ok, batched=True)
+    check(dataclasses.replace(m, draft=None), [5], dataclasses.replace(ok, drafter="ngram"), batched=True)
     with pytest.raises(ConfigError, match="empty"):
-        check_request(m, [], ok)
+        check(m, [], ok, batched=True)
     with pytest.raises(ConfigError, match="batch size"):
         BatchDecoder(pair, 0)
     with BatchDecoder(pair, 2) as dec:
@@ -266,8 +269,8 @@ def test_bad_requests(qwen_pair):
 
 
 def test_batch_that_does_not_fit_in_memory_is_refused(qwen_pair, monkeypatch):
-    memory = pytest.importorskip("specrt.runtime.memory", reason="no memory estimate in this tree")
-    from specrt.runtime.batch import kv_bytes
+    memory = pytest.importorskip("specrt.api.memory", reason="no memory estimate in this tree")
+    from specrt.api.memory import kv_bytes
 
     m = qwen_pair.manifest
     need = kv_bytes(m, 4, m.max_len + m.max_draft_len + 1)

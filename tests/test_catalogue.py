@@ -23,7 +23,7 @@ from _helpers import WORDS, copy_pair, export
 from specrt.cli import main
 from specrt.cli.check import check
 from specrt.cli.info import info
-from specrt.config import sha256_file
+from specrt.manifest import sha256_file
 from specrt.errors import ConfigError, ExportError, FetchError, PairError, SpecrtError
 
 COMMANDS = {"main": main, "info": info, "check": check}
@@ -363,8 +363,8 @@ def _api_rows():
 
 
 def memory_for(pair_dir, positions):
-    from specrt.config import read_manifest
-    from specrt.runtime.memory import estimate
+    from specrt.manifest import read_manifest
+    from specrt.api.memory import estimate
 
     est = estimate(pair_dir, read_manifest(pair_dir))
     return est.fixed() + positions * sum(est.kv_per_token.values())
@@ -492,7 +492,7 @@ def test_failed_or_interrupted_tune_leaves_the_manifest_alone(existing, bad, mon
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("specrt.runtime.tune.tune", interrupted)
+    monkeypatch.setattr("specrt.apps.tune.tune", interrupted)
     r = CliRunner().invoke(main, ["tune", str(d), "--prompts", str(bad["file.good"])])
     assert r.exit_code == 130 and r.stderr.strip().splitlines()[-1] == "interrupted"
     monkeypatch.undo()

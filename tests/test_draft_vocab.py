@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from _helpers import WORDS, FrozenCosts, copy_pair, export
-from specrt.config import read_manifest, sha256_file
+from specrt.manifest import read_manifest, sha256_file
 from specrt.engines.ort import ort_engine
 from specrt.errors import ExportError, PairError
 from specrt.export.pair import ExportConfig
@@ -66,7 +66,7 @@ def test_greedy_speculative_equals_target_only(vocab_pair, prompt, k):
 
 def test_draft_never_proposes_a_dropped_id(vocab_pair, vocab_dir):
     from specrt.config import SamplingConfig
-    from specrt.runtime.proposers import ModelProposer
+    from specrt.decoding.proposers import ModelProposer
 
     ids = set(np.load(vocab_dir / "draft/output_ids.npy").tolist())
     drafter = ModelProposer(vocab_pair.draft, vocab_pair.manifest.vocab_size, vocab_pair.draft_ids)
@@ -86,7 +86,7 @@ def test_draft_never_proposes_a_dropped_id(vocab_pair, vocab_dir):
 
 
 def test_batch_equals_alone(vocab_pair):
-    from specrt.runtime.batch import BatchDecoder, Request
+    from specrt.decoding.batch import BatchDecoder, Request
 
     cfg = vocab_pair.config(max_new_tokens=16, draft_len=3, drafter="model")
     ids = [vocab_pair.encode(p) for p in PROMPTS]

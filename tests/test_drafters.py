@@ -12,9 +12,9 @@ from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.decode import decode
-from specrt.runtime.policy import Auto, AutoConfig, Fixed, PolicyState
-from specrt.runtime.proposers import LookupProposer, ModelProposer
+from specrt.decoding.decode import decode
+from specrt.decoding.policy import Auto, PolicyConfig, Fixed, PolicyState
+from specrt.decoding.proposers import LookupProposer, ModelProposer
 
 REPETITIVE = ["def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
               "def fib(n):\n    a, b", list(range(3, 30)) * 2 + [3, 4], [40, 41, 42, 43]]
@@ -132,7 +132,7 @@ def test_a_draft_window_bounds_every_catch_up_and_stays_lossless(qwen_pair, draf
 
 
 def test_the_draft_window_defaults_to_the_devices_and_reaches_the_cli(qwen_dir, qwen_pair):
-    from specrt.runtime.proposers import default_window
+    from specrt.decoding.proposers import default_window
 
     assert default_window("cpu") == 32 and default_window("cuda") == 0
     assert qwen_pair.policy(GenerationConfig(draft_len=2)).model.window == 32  # this pair runs on the CPU
@@ -149,7 +149,7 @@ def test_the_draft_window_defaults_to_the_devices_and_reaches_the_cli(qwen_dir, 
 def test_a_windowed_draft_cache_holds_the_sequence_from_its_offset():
     """Cache bookkeeping after a start-over: the draft's slots hold seq[off:off + length] at every round
     and the next request reuses them through the memory when its prompt extends that sequence."""
-    from specrt.runtime.proposers import DraftMemory
+    from specrt.decoding.proposers import DraftMemory
 
     V, memory = 6, DraftMemory()
     target = FakeEngine(0, V, max_len=96)
@@ -186,7 +186,7 @@ def test_a_skipping_draft_reads_only_the_last_tokens_it_missed():
     """`skip`: once the draft's cache holds part of the request, a catch-up reads only the last `skip`
     tokens it missed; the slots before them are kept (a gap), the offset moves past the skipped ones,
     and the draft cache is no longer offered to the next request (it is not a prefix of the sequence)."""
-    from specrt.runtime.proposers import DraftMemory
+    from specrt.decoding.proposers import DraftMemory
 
     V, memory = 6, DraftMemory()
     eng = FakeEngine(1, V, max_len=64)
@@ -249,7 +249,7 @@ def test_a_skipping_hybrid_is_greedy_exact(qwen_pair, monkeypatch):
         return propose(self, seq, *a, **kw)
 
     monkeypatch.setattr(ModelProposer, "propose", counted)
-    monkeypatch.setattr(qwen_pair, "auto_config", replace(AutoConfig(), skip=1))
+    monkeypatch.setattr(qwen_pair, "policy_config", replace(PolicyConfig(), skip=1))
     for prompt in REPETITIVE[:2]:
         base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0)
         for k in (3, "auto"):
@@ -381,7 +381,7 @@ def test_bench_measures_each_run_as_a_new_prompt(qwen_pair, monkeypatch):
     only what following the previous prompt would leave there (their shared prefix), not itself."""
     import statistics
 
-    from specrt.runtime.bench import Prompt, run_bench
+    from specrt.apps.bench import Prompt, run_bench
 
     a = Prompt("a", [3, 4, 5, 6, 7] + list(range(20, 30)), "code")
     b = Prompt("b", [3, 4, 5, 6, 7] + list(range(40, 52)), "chat")

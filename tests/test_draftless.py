@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 import specrt
 from specrt.cli import main
-from specrt.config import read_manifest
+from specrt.manifest import read_manifest
 from specrt.errors import ConfigError
-from specrt.runtime import memory
+from specrt.api import memory
 
 ENV = memory.ENV_AVAILABLE
 
@@ -90,7 +90,7 @@ def test_generate_follows_a_tuned_lookup_drafter(qwen_dir, tmp_path, monkeypatch
     import dataclasses
 
     from _helpers import copy_pair
-    from specrt.config import write_manifest
+    from specrt.manifest import write_manifest
 
     d = copy_pair(qwen_dir, tmp_path / "tuned")
     m = read_manifest(d)

@@ -10,7 +10,7 @@ import pytest
 
 import specrt
 from _helpers import WORDS, copy_pair, export
-from specrt.config import FORMAT_NAME, FORMAT_VERSION, LEAN_KV_LAYOUT, read_manifest, sha256_file
+from specrt.manifest import FORMAT_NAME, FORMAT_VERSION, LEAN_KV_LAYOUT, read_manifest, sha256_file
 from specrt.engines.ort import gqa_has_query_seqlens
 from specrt.errors import ConfigError, ExportError, PairError
 from specrt.export.graph import lean_io_names
@@ -201,13 +201,13 @@ def test_missing_tokenizer_is_a_pair_error(qwen_dir, tmp_path):
 
 
 def test_verified_graphs_are_not_hashed_again(qwen_dir, tmp_path, monkeypatch):
-    import specrt.config as config
+    import specrt.manifest as manifest
 
     d = copy_pair(qwen_dir, tmp_path / "p")
     specrt.load(d).close()
     calls = []
-    real = config.sha256_file
-    monkeypatch.setattr(config, "sha256_file", lambda p, *a, **kw: calls.append(p) or real(p, *a, **kw))
+    real = manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda p, *a, **kw: calls.append(p) or real(p, *a, **kw))
     specrt.load(d).close()
     assert calls == []
 
@@ -525,7 +525,7 @@ def test_int4_greedy_speculative_equals_target_only(int4_pair, prompt):
 @pytest.mark.parametrize("prompt", INT4_PROMPTS, ids=lambda p: repr(p)[:16])
 def test_int4_default_level_greedy_agrees_up_to_near_ties(int4_default_pair, prompt):
     """accuracy_level 4 quantizes activations per call; a divergence is only allowed at a numerical near-tie."""
-    from specrt.runtime.check import first_divergence
+    from specrt.apps.check import first_divergence
 
     ids = int4_default_pair.encode(prompt)
     for k in (1, 4, 8):
@@ -633,7 +633,7 @@ def test_write_manifest_replaces_atomically(qwen_dir, tmp_path, monkeypatch):
     import dataclasses
     import os
 
-    from specrt.config import write_manifest
+    from specrt.manifest import write_manifest
 
     d = copy_pair(qwen_dir, tmp_path / "p")
     m = read_manifest(d)

@@ -83,13 +83,14 @@ def test_cli_shows_progress_only_on_a_terminal_without_quiet(hf_tiny, tmp_path, 
 def test_engine_builds_are_steps(tmp_path, monkeypatch):
     """With a stand-in TensorRT: each engine's build is a timed step and its plan is hashed under a bar."""
     from specrt.engines import trt
+    from specrt.export import trt_build
     from specrt.export.tiny import make_model, make_tokenizer
 
     # 2 KV heads x head_dim 64 in fp16: the 256-byte KV slots TensorRT's tensor addresses need
     make_model(tmp_path / "hf", make_tokenizer(), "qwen2", layers=1, hidden=128, heads=2, kv_heads=2, vocab_size=384)
     monkeypatch.setattr(trt, "require_tensorrt", lambda error=ExportError: SimpleNamespace(__version__="10.99.0"))
     monkeypatch.setattr(trt, "gpu_identity", lambda device_id=0: ("8.7", "stand-in"))
-    monkeypatch.setattr(trt, "build_engine", lambda trt_, onnx_path, profs, plan, *a, **kw: plan.write_bytes(b"plan"))
+    monkeypatch.setattr(trt_build, "build_engine", lambda trt_, onnx_path, profs, plan, *a, **kw: plan.write_bytes(b"plan"))
     stream = io.StringIO()
     m = export_pair(ExportConfig(target=str(tmp_path / "hf"), draft=None, out=tmp_path / "pair", precision="fp16",
                                  engine="tensorrt", max_len=64), log=lambda s: None, progress=Progress(stream))

@@ -28,7 +28,7 @@ def int4_fp16_dir(work, hf_tiny):
 
 
 def _engines(pair_dir, role="target", max_logits=64, **kw):
-    from specrt.config import read_manifest
+    from specrt.manifest import read_manifest
 
     m = read_manifest(pair_dir)
     entry = getattr(m, role)
@@ -82,9 +82,9 @@ def test_greedy_speculative_equals_target_only_on_cuda(request, which):
     """Token for token, except at a numerical near-tie: the GPU's one-token and multi-token passes use
     different kernels, so their logits differ in the last bits (first H200 run, with TF32 on: one flip,
     at the 40th token of one prompt, in both the fp32 and the fp16 pair). `specrt check` applies the
-    same rule (runtime/check.py)."""
+    same rule (apps/check.py)."""
     import specrt
-    from specrt.runtime.check import first_divergence, noise_threshold
+    from specrt.apps.check import first_divergence, noise_threshold
 
     with specrt.load(request.getfixturevalue(f"{which}_dir"), device="cuda") as pair:
         assert pair.device == "cuda"
@@ -105,7 +105,7 @@ def test_batch_on_cuda(fp16_dir):
     """Batched speculative decoding on the GPU: per-row lengths through the same graph; each request gets
     its lone output (up to fp16 near-ties between batch shapes), and passes are shared."""
     import specrt
-    from specrt.runtime.batch import generate_batch
+    from specrt.api.pair import generate_batch
 
     prompts = ["def quicksort(xs):", "class Stack:", "import numpy as np\n", "x", "The quick brown"]
     with specrt.load(fp16_dir, device="cuda") as pair:
@@ -133,7 +133,7 @@ def test_no_cache_sized_copy_per_pass(request, which, tmp_path):
     weights or caches ran on the GPU."""
     import onnxruntime as ort
 
-    from specrt.config import read_manifest
+    from specrt.manifest import read_manifest
 
     d = request.getfixturevalue(f"{which}_dir")
     m = read_manifest(d)

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 import specrt
 from _helpers import export
 from specrt.cli import main
-from specrt.config import read_manifest
+from specrt.manifest import read_manifest
 from specrt.engines import trt
+from specrt.export import trt_build
 from specrt.engines.ort import kv_offset
 from specrt.errors import ConfigError, ExportError, PairError
 from specrt.export.pair import ExportConfig
@@ -125,7 +126,8 @@ def test_int4_with_fp16_activations(work, hf_tiny):
 
 
 def test_batch_needs_the_lean_graph(portable_dir):
-    from specrt.runtime.batch import BatchDecoder, batch_engine
+    from specrt.decoding.batch import BatchDecoder
+    from specrt.engines.select import batch_engine
 
     with specrt.load(portable_dir, device="cpu") as pair:
         with pytest.raises(ConfigError, match="batched decoding runs on the lean onnxruntime graph, and this pair "
@@ -305,7 +307,7 @@ def test_trt_build_sets_every_input_of_every_profile(trt_dir, tmp_path):
     m = read_manifest(trt_dir)
     fake = _FakeTrt()
     profs = trt.profiles(m.target, "target", m.max_len, m.max_draft_len, 32)
-    trt.build_engine(fake, trt_dir / m.target.path, profs, tmp_path / "t.plan", tmp_path / "timing.cache", 1 << 30)
+    trt_build.build_engine(fake, trt_dir / m.target.path, profs, tmp_path / "t.plan", tmp_path / "timing.cache", 1 << 30)
     assert ("flags", 1 << 1) in fake.calls  # strongly typed: precision comes from the fp16 graph
     added = [c[1] for c in fake.calls if c[0] == "profile"]
     assert len(added) == 2 and all(set(a) == set(m.target.inputs) for a in added)
@@ -317,7 +319,7 @@ def test_build_engines_refuses_a_contrib_graph(qwen_dir, monkeypatch):
     monkeypatch.setattr(trt, "require_tensorrt", lambda error=ExportError: _FakeTrt())
     m = specrt.load(qwen_dir, device="cpu").manifest
     with pytest.raises(ExportError, match="contrib ops, which TensorRT cannot parse"):
-        trt.build_pair_engines(qwen_dir, m)
+        trt_build.build_pair_engines(qwen_dir, m)
 
 
 def test_manifest_without_engines_still_reads(qwen_dir):
@@ -354,15 +356,15 @@ def test_trt_parser_support_check(portable_dir, trt_dir, qwen_dir, tmp_path):
     for d in (portable_dir, trt_dir):
         m = read_manifest(d)
         for e in m.entries():
-            assert trt.check_parser_support(d / e.path) == [], (d, e.path)
-    lean = trt.check_parser_support(qwen_dir / read_manifest(qwen_dir).target.path)
+            assert trt_build.check_parser_support(d / e.path) == [], (d, e.path)
+    lean = trt_build.check_parser_support(qwen_dir / read_manifest(qwen_dir).target.path)
     assert any("GroupQueryAttention (com.microsoft) is not an ONNX operator" in p for p in lean)
     g = helper.make_graph([helper.make_node("CumSum", ["x", "axis"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.INT64, [4])],
                           [helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
                           [helper.make_tensor("axis", TensorProto.INT64, [], [0])])
     onnx.save(helper.make_model(g), str(tmp_path / "cumsum.onnx"))
-    assert trt.check_parser_support(tmp_path / "cumsum.onnx") == ["CumSum on INT32 (x): the parser takes FP32, FP16"]
+    assert trt_build.check_parser_support(tmp_path / "cumsum.onnx") == ["CumSum on INT32 (x): the parser takes FP32, FP16"]
 
 
 def test_trt_needs_256_byte_slots(fp16_portable_dir, trt_dir, monkeypatch):
@@ -374,7 +376,7 @@ def test_trt_needs_256_byte_slots(fp16_portable_dir, trt_dir, monkeypatch):
         trt.check_alignment(m.target, "target")
     monkeypatch.setattr(trt, "require_tensorrt", lambda error=ExportError: _FakeTrt())
     with pytest.raises(ExportError, match="not a multiple of the 256 bytes"):
-        trt.build_pair_engines(fp16_portable_dir, m)
+        trt_build.build_pair_engines(fp16_portable_dir, m)
     trt.check_alignment(read_manifest(trt_dir).target, "target")  # 2 x 64 x 2 = 256
 
 
@@ -383,21 +385,22 @@ def test_auto_falls_back_to_cuda_when_the_engines_do_not_load(trt_dir, monkeypat
     its graphs, with a note saying why (onnxruntime's CPU provider stands in for the GPU here)."""
     import sys
 
+    import specrt.api.pair as pair_mod
     import specrt.engines.ort as ort_mod
-    import specrt.runtime.pair as pair_mod
+    from specrt.engines import select
 
     m = read_manifest(trt_dir)
     monkeypatch.setattr(pair_mod, "read_manifest", lambda d: dataclasses.replace(m, engines={"tensorrt_version": "x"}))
     monkeypatch.setattr(ort_mod, "cuda_available", lambda: None)
     monkeypatch.setitem(sys.modules, "tensorrt", _FakeTrt())
-    real = pair_mod._engine
+    real = select.open_engine
 
     def engine(pair_dir, m, role, max_logits, threads, device):
         if device == "tensorrt":
             raise PairError("the TensorRT engines in p were built with TensorRT x (stand-in)")
         return real(pair_dir, m, role, max_logits, threads, "cpu")
 
-    monkeypatch.setattr(pair_mod, "_engine", engine)
+    monkeypatch.setattr(select, "open_engine", engine)
     monkeypatch.setenv("SPECRT_GPU_MEM_AVAILABLE_BYTES", str(1 << 40))
     with specrt.load(trt_dir) as pair:
         assert pair.device == "cuda"

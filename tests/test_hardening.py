@@ -75,7 +75,7 @@ def _naive(text: str, start: int, stops) -> int | None:
 def test_stop_matching_finds_what_a_search_finds(stops, pieces):
     """The stop-string matcher (an automaton a character at a time, O(new text) a round) against a search
     of the whole text: the same cut, and the same held-back tail."""
-    from specrt.runtime.text import _StopMatcher
+    from specrt.api.text import _StopMatcher
 
     m, text = _StopMatcher(tuple(stops)), ""
     for piece in pieces:
@@ -195,7 +195,7 @@ def test_tune_on_a_read_only_pair_stops_before_measuring(qwen_dir, tmp_path, mon
 
 
 def test_tune_prints_its_results_when_they_cannot_be_stored(qwen_dir, tmp_path, monkeypatch):
-    from specrt.runtime import tune
+    from specrt.apps import tune
 
     d = copy_pair(qwen_dir, tmp_path / "p")
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "def f(x):"}])
@@ -239,7 +239,7 @@ def _info(d):
 
 
 def test_info_reports_every_damage_and_exits_1(qwen_dir, tmp_path):
-    from specrt.config import read_manifest, sha256_file
+    from specrt.manifest import read_manifest, sha256_file
 
     m = read_manifest(qwen_dir)
     cases = {}
@@ -299,7 +299,7 @@ def test_seeded_sampling_alone_equals_batched_on_long_prompts(qwen_pair, qwen_di
     """Prompts longer than the draft's catch-up window (32 on the CPU): alone (the API and `specrt generate`),
     after a request sharing a long prefix (the draft's memory keeps it) and as rows of the batched decoder
     (`specrt batch`), the same seeded draws."""
-    from specrt.runtime.batch import BatchDecoder, Request
+    from specrt.decoding.batch import BatchDecoder, Request
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, qwen_pair.manifest.vocab_size, n).tolist() for n in (40, 75, 120)]

@@ -1,4 +1,4 @@
-"""`specrt batch` (cli/batch.py, runtime/jobs.py): results, bad input, job identity, resume after SIGKILL."""
+"""`specrt batch` (cli/batch.py, apps/jobs.py): results, bad input, job identity, resume after SIGKILL."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from specrt.cli.batch import batch
-from specrt.runtime.jobs import record_seed
+from specrt.apps.jobs import record_seed
 
 COUNTS = ("target_passes", "draft_passes", "rounds", "proposed", "accepted", "new_tokens")
 

@@ -7,7 +7,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]' or specrt[ray])")
 
-from specrt.runtime.jobs import JobError, JobSettings, run_job  # noqa: E402
+from specrt.apps.jobs import JobError, JobSettings, run_job  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The target's prompt prefix kept across requests (runtime/prefix.py): reused only in whole chunks, so a
+"""The target's prompt prefix kept across requests (decoding/prefix.py): reused only in whole chunks, so a
 request's cache, logits and output are bit for bit those of a fresh read, whatever ran before."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.runtime.batch import BatchDecoder, Request
-from specrt.runtime.prefix import PromptCache
+from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.prefix import PromptCache
 
 
 def _prompts(pair, shared: int, tails=(7, 11, 4), seed=0) -> list[list[int]]:
@@ -81,7 +81,7 @@ def test_specrts_kernels_read_a_prompt_the_same_in_any_passes(int4_default_pair,
     on the pass around it: a prompt read in two passes cut anywhere gives the one-pass read's logits and
     cache, bit for bit. (onnxruntime's own MatMulNBits and GroupQueryAttention round a row by the pass's
     width, and int8 activations carry a last-bit difference up to ~0.3 in a logit of the 1.5B target: what
-    runtime/prefix.py's whole chunks guard against.)"""
+    decoding/prefix.py's whole chunks guard against.)"""
     assert int4_default_pair.target.kernel.invariant, int4_default_pair.target.kernel
     (whole, whole_cache), (split_logits, split_cache) = _whole_and_split(int4_default_pair, split)
     np.testing.assert_array_equal(whole, split_logits)

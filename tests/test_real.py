@@ -41,7 +41,7 @@ def int4_pair():
 
 @pytest.mark.parametrize("rec", PROMPTS, ids=[r["id"] for r in PROMPTS])
 def test_fp32_greedy_speculative_equals_target_only(fp32_pair, rec):
-    from specrt.runtime.check import first_divergence
+    from specrt.apps.check import first_divergence
 
     ids = fp32_pair.encode(rec["prompt"], chat=True)
     for k in (2, 4):
@@ -52,7 +52,7 @@ def test_fp32_greedy_speculative_equals_target_only(fp32_pair, rec):
 @pytest.mark.parametrize("rec", PROMPTS, ids=[r["id"] for r in PROMPTS])
 def test_fp32_greedy_auto_equals_target_only_for_the_lookup_drafters(fp32_pair, rec):
     """n-gram and hybrid at draft_len auto (hybrid's draft model skipping what copies emitted, on the CPU)."""
-    from specrt.runtime.check import first_divergence
+    from specrt.apps.check import first_divergence
 
     ids = fp32_pair.encode(rec["prompt"], chat=True)
     for drafter in ("ngram", "hybrid"):
@@ -65,7 +65,7 @@ def test_int4_greedy_divergence_is_numerical(int4_pair, rec):
     """Through specrt's kernels (a row's numbers independent of the pass) int4 greedy speculative decoding is
     target-only decoding token for token; through onnxruntime's own it may part at a near-tie: report where,
     and fail only if the margin is not small."""
-    from specrt.runtime.check import first_divergence
+    from specrt.apps.check import first_divergence
 
     ids = int4_pair.encode(rec["prompt"], chat=True)
     res = first_divergence(int4_pair, ids, 64, 3)

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 import specrt
 from specrt.cli import main
-from specrt.runtime.policy import Controller, CostModel
-from specrt.runtime.report import break_even
+from specrt.decoding.policy import Controller, CostModel
+from specrt.apps.report import break_even
 
 from _helpers import copy_pair
 

@@ -1,4 +1,4 @@
-"""specrt.runtime.sampling: warping, drawing, and the statistics of the lossless accept/resample test."""
+"""specrt.decoding.sampling: warping, drawing, and the statistics of the lossless accept/resample test."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from _helpers import P_MIN, binom_pvalue, chi2_pvalue
 from specrt.config import SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.sampling import accept_greedy, accept_sample, draw, warp
+from specrt.decoding.sampling import accept_greedy, accept_sample, draw, warp
 
 
 # ---------------------------------------------------------------- warp

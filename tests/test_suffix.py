@@ -11,10 +11,10 @@ from click.testing import CliRunner
 import specrt
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.batch import generate_batch
-from specrt.runtime.decode import decode
-from specrt.runtime.policy import Fixed
-from specrt.runtime.proposers import History, LookupProposer, SuffixProposer
+from specrt.api.pair import generate_batch
+from specrt.decoding.decode import decode
+from specrt.decoding.policy import Fixed
+from specrt.decoding.proposers import History, LookupProposer, SuffixProposer
 
 from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
 
@@ -226,7 +226,7 @@ def test_a_resumed_job_drafts_from_the_outputs_already_written(qwen_dir, tmp_pat
 
 
 def test_bench_gives_each_setting_its_own_history_per_repeat(qwen_pair, monkeypatch):
-    from specrt.runtime.bench import Prompt, run_bench
+    from specrt.apps.bench import Prompt, run_bench
 
     monkeypatch.setattr(qwen_pair.state, "history", History())
     seen, run = [], qwen_pair.run

@@ -209,12 +209,12 @@ def test_an_error_in_a_callback_propagates_and_frees_the_pair(qwen_pair):
 
 
 def test_an_error_while_streaming_reaches_the_consumer(qwen_pair, monkeypatch):
-    import specrt.runtime.decode as dec
+    import specrt.api.pair as pair_mod
 
     def boom(*a, **kw):
         raise RuntimeError("engine fell over")
 
-    monkeypatch.setattr(dec, "decode", boom)
+    monkeypatch.setattr(pair_mod, "decode", boom)
     with pytest.raises(RuntimeError, match="engine fell over"):
         list(qwen_pair.stream(PROMPT, max_new_tokens=4))
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""`specrt check` and `specrt info` (specrt/cli/check.py, info.py; runtime/check.py, info.py) and the statistics behind check."""
+"""`specrt check` and `specrt info` (specrt/cli/check.py, info.py; apps/check.py, info.py) and the statistics behind check."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from scipy import stats
 from _helpers import copy_pair
 from specrt.cli.check import check
 from specrt.cli.info import info
-from specrt.runtime import check as chk
+from specrt.apps import check as chk
 
 
 def run(cmd, *args):
@@ -96,7 +96,7 @@ def test_second_token_test_passes_on_correct_decoding(stat_pair):
 
 def _accept_everything(monkeypatch):
     """A broken verifier: every draft token is accepted, whatever the target says."""
-    from specrt.runtime import sampling
+    from specrt.decoding import sampling
 
     def accept_all(d, p_draft, p_target, u):
         return len(d), sampling.draw(p_target[len(d)], u[len(d)])
@@ -149,7 +149,7 @@ def test_check_reports_a_bug_and_exits_1(qwen_dir, monkeypatch):
 def test_check_sampling_failure_exits_1(stat_dir, tmp_path, monkeypatch):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "alpha beta gamma", "chat": false}\n')
-    from specrt.runtime import sampling
+    from specrt.decoding import sampling
 
     def accept_all(d, p_draft, p_target, u):
         return len(d), sampling.draw(p_target[len(d)], u[len(d)])
@@ -186,7 +186,7 @@ def test_check_target_only_pair_uses_the_ngram_drafter(qwen_dir, tmp_path):
 def test_first_divergence_where_one_run_ends_early(qwen_pair, monkeypatch):
     """A length difference (one decode chose EOS) is a divergence with a margin against the EOS logit."""
     ids = qwen_pair.encode("def fib(n):")
-    import specrt.runtime.check as mod
+    import specrt.apps.check as mod
 
     real_run = qwen_pair.run
 
@@ -223,7 +223,7 @@ def test_info_text(qwen_dir):
 
 
 def test_info_untuned_line_says_what_a_request_gets(qwen_dir, qwen_pair, tmp_path):
-    """The defaults come from the rule that decides them (pair.request_defaults), with a draft model and without."""
+    """The defaults come from the rule that decides them (api/requests.defaults), with a draft model and without."""
     import specrt
 
     line = "tuned:     no (a request gets: drafter {}, draft_len auto); run `specrt tune` on this machine"
@@ -241,8 +241,8 @@ def test_info_untuned_line_says_what_a_request_gets(qwen_dir, qwen_pair, tmp_pat
 
 
 def test_info_json(qwen_dir):
-    from specrt.runtime.memory import estimate
-    from specrt.config import read_manifest
+    from specrt.api.memory import estimate
+    from specrt.manifest import read_manifest
 
     r = run(info, qwen_dir, "--json")
     assert r.exit_code == 0, r.output
@@ -258,7 +258,7 @@ def test_info_json(qwen_dir):
 
 
 def test_info_tuned_int4_and_target_only(qwen_dir, tmp_path):
-    from specrt.config import read_manifest
+    from specrt.manifest import read_manifest
 
     d = copy_pair(qwen_dir, tmp_path / "p")
     hashes = {f: h for f, h in read_manifest(d).graph_hashes().items() if f.startswith("target/")}

@@ -1,4 +1,4 @@
-"""The memory budget check before loading (specrt.runtime.memory, Pair(check_memory=...))."""
+"""The memory budget check before loading (specrt.api.memory, Pair(check_memory=...))."""
 from __future__ import annotations
 
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 
 import specrt
-from specrt.config import read_manifest
+from specrt.manifest import read_manifest
 from specrt.errors import ConfigError, PairError
-from specrt.runtime import memory
+from specrt.api import memory
 
 ENV = memory.ENV_AVAILABLE
 
@@ -54,7 +54,7 @@ def test_budgets(qwen_dir):
     from click.testing import CliRunner
 
     from specrt.cli.info import info
-    from specrt.runtime.info import pair_info
+    from specrt.apps.info import pair_info
 
     assert memory.parse_budget("orin-nano-8gb") == ("orin-nano-8gb", 8 << 30, memory.OS_RESERVE)
     assert memory.parse_budget(" 123456 ") == ("123456 bytes", 123456, 0)

@@ -155,7 +155,7 @@ def test_bench_reads_several_prompt_files(qwen_dir, tmp_path):
 def test_shipped_prompt_files_read_together(qwen_dir):
     """bench/prompts' prompts, edits and more files, as the RESULTS commands pass them to one run: every line reads, ids are
     unique across the files (results are keyed by id), and every class the tables report is there."""
-    from specrt.runtime.bench import read_prompts
+    from specrt.apps.bench import read_prompts
 
     pair = specrt.load(qwen_dir, check_memory=False)
     files = [ROOT / "bench" / "prompts" / f for f in ("prompts.jsonl", "edits.jsonl", "more.jsonl")]

@@ -86,7 +86,7 @@ def export(work: Path, name: str, target: Path, draft: Path | None, max_len: int
 def pass_ms(pair_dir: Path, as_draft: bool, device: str, cuda_graph: bool, prompt: int, calls: int) -> dict:
     """Median ms of one engine call per width after a `prompt`-token past: logits for every fed position
     (a verify pass), or `as_draft` for the last one only (a draft step, a catch-up)."""
-    from specrt.config import read_manifest
+    from specrt.manifest import read_manifest
     from specrt.engines.ort import ort_engine
 
     m = read_manifest(pair_dir)

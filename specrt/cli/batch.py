@@ -1,4 +1,4 @@
-"""`specrt batch`: an offline job over a JSONL file of prompts (runtime/jobs.py does the work)."""
+"""`specrt batch`: an offline job over a JSONL file of prompts (apps/jobs.py does the work)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -59,7 +59,7 @@ def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, tempera
     --output (ids already written are skipped, a torn last line is cut off). An output that belongs
     to another input file or other settings is refused unless --overwrite.
     """
-    from specrt.runtime.jobs import JobSettings, run_job
+    from specrt.apps.jobs import JobSettings, run_job
 
     settings = JobSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, draft_len=draft_len, drafter=drafter, chat=chat)

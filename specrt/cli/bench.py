@@ -1,4 +1,4 @@
-"""`specrt bench`: tokens/s per draft length and drafter, against target-only (runtime/bench.py)."""
+"""`specrt bench`: tokens/s per draft length and drafter, against target-only (apps/bench.py)."""
 from __future__ import annotations
 
 import json
@@ -37,9 +37,8 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
     from specrt.errors import ConfigError
-    from specrt.runtime.batch import default_drafter
-    from specrt.runtime.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench,
-                                      run_bench)
+    from specrt.api import requests
+    from specrt.apps.bench import Prompt, format_batch_table, format_table, read_prompts, run_batch_bench, run_bench
 
     if bool(prompts) == (prompt_text is not None):
         raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
@@ -50,13 +49,13 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     if report_dir is not None:
-        from specrt.runtime import report
+        from specrt.apps import report
 
         report.require(report_dir)
     sampling = SamplingConfig(temperature=temperature)
     with load_pair(pair_dir, device) as pair:
         plist = read_prompts(prompts, pair, limit) if prompts else [Prompt("prompt", pair.encode(prompt_text, True), "default")]
-        default = default_drafter(pair.manifest, pair.tuned, pair.draft is not None) if batch_sizes else pair.default_drafter
+        default = requests.defaults(pair.manifest, pair.tuned, pair.draft is not None, batched=bool(batch_sizes))[0]
         names = [d.strip() for d in (drafters or default).split(",") if d.strip()]
         if batch_sizes:
             if len(names) != 1:
@@ -73,7 +72,7 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
                                 progress=lambda: bar.update(1))
             table = format_table(res)
         if report_dir is not None:
-            from specrt.runtime.tune import measure_costs
+            from specrt.apps.tune import measure_costs
 
             # over a past as long as these prompts' median plus half the new tokens: the context they decode at
             past = sorted(len(p.ids) for p in plist)[len(plist) // 2] + max_new_tokens // 2

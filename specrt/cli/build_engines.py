@@ -15,8 +15,8 @@ from specrt.cli.common import errors, log
 @errors
 def build_engines(pair_dir, prefill_chunk):
     """Build TensorRT engines for an fp16 pair on this machine's GPU (again after a TensorRT or GPU change)."""
-    from specrt.config import read_manifest, write_manifest
-    from specrt.engines.trt import build_pair_engines
+    from specrt.manifest import read_manifest, write_manifest
+    from specrt.export.trt_build import build_pair_engines
     from specrt.errors import ConfigError
 
     if prefill_chunk < 1:

@@ -1,4 +1,4 @@
-"""`specrt check`: is a pair lossless on this machine (runtime/check.py)."""
+"""`specrt check`: is a pair lossless on this machine (apps/check.py)."""
 from __future__ import annotations
 
 import json
@@ -31,8 +31,8 @@ def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, 
     Exit code 1 if anything failed, 0 if all is well, 2 on bad input.
     """
     from specrt.errors import ConfigError
-    from specrt.runtime import check as chk
-    from specrt.runtime.bench import read_prompts
+    from specrt.apps import check as chk
+    from specrt.apps.bench import read_prompts
 
     if draft_len < 1:
         raise ConfigError(f"--draft-len must be >= 1 (0 would compare target-only with itself), got {draft_len}")
@@ -59,7 +59,7 @@ def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, 
 
 def _line(kind: str, d: dict) -> str:
     """One line of the text report per check_pair event."""
-    from specrt.runtime.check import P_MIN
+    from specrt.apps.check import P_MIN
 
     if kind == "start":
         return (f"greedy speculative (drafter {d['drafter']}, draft_len {d['draft_len']}) vs greedy target-only, "

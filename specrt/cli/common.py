@@ -48,7 +48,7 @@ def device_option(fn):
 
 def load_pair(pair_dir, device: str, **kw):
     """specrt.load, saying on stderr what the user should know about where it runs (Pair.notes)."""
-    from specrt.runtime.pair import load
+    from specrt.api.pair import load
 
     pair = load(pair_dir, device=device, **kw)
     for note in pair.notes:

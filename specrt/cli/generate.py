@@ -1,4 +1,4 @@
-"""`specrt generate`: one prompt through speculative decoding, streamed (runtime/pair.py)."""
+"""`specrt generate`: one prompt through speculative decoding, streamed (api/pair.py)."""
 from __future__ import annotations
 
 import json
@@ -42,12 +42,13 @@ from specrt.cli.common import device_option, draft_len_value, errors, load_pair
 def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
              draft_window, ngram_max, stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
-    from specrt.config import SamplingConfig, read_manifest
+    from specrt.config import SamplingConfig, needs_draft_model
+    from specrt.manifest import read_manifest
 
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     # prompt lookup alone (or no drafting) leaves the draft model out: its load time and a fifth of the memory
     chosen = drafter or ((read_manifest(pair_dir).tuned or {}).get("drafter") if draft_len != 0 else None)
-    model = draft_len != 0 and chosen in (None, "model", "hybrid")
+    model = needs_draft_model(chosen, draft_len)
     with load_pair(pair_dir, device, draft_model=model) as pair:
         cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
                           drafter=drafter, confidence_stop=confidence_stop, draft_window=draft_window,

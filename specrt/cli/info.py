@@ -1,4 +1,4 @@
-"""`specrt info`: what a pair folder holds, its memory against this machine or a board (runtime/info.py)."""
+"""`specrt info`: what a pair folder holds, its memory against this machine or a board (apps/info.py)."""
 from __future__ import annotations
 
 import json
@@ -25,8 +25,8 @@ def info(pair_dir, as_json, budget, do_measure, lone):
 
     The pair's files are checked too (hashes, graphs, tokenizer): exit code 1 and one `problem:` line each
     if anything is wrong, 2 if the folder cannot be read as a pair at all."""
-    from specrt.runtime.info import measure, pair_info
-    from specrt.runtime.memory import fmt
+    from specrt.apps.info import measure, pair_info
+    from specrt.api.memory import fmt
 
     if lone and not do_measure:
         raise BadInput("--no-draft-model applies to --measure (the estimate without the draft model is always shown)")
@@ -62,7 +62,7 @@ def _quant_text(q: dict | None) -> str:
 
 
 def format_info(d: dict) -> str:
-    from specrt.runtime.memory import fmt
+    from specrt.api.memory import fmt
 
     lines = [f"pair:      {d['pair']}  ({d['format']} v{d['format_version']}, created by {d['created_by'] or '?'})",
              f"vocab:     {d['vocab_size']} ids, EOS {d['eos_token_ids']}",

@@ -1,4 +1,4 @@
-"""`specrt serve`: an OpenAI-compatible local server over one pair (specrt/server.py, the `serve` extra)."""
+"""`specrt serve`: an OpenAI-compatible local server over one pair (specrt/apps/serve/http.py, the `serve` extra)."""
 from __future__ import annotations
 
 import ipaddress
@@ -85,11 +85,12 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
     """Serve a pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) until Ctrl-C or SIGTERM."""
     try:
-        from specrt.server import ServeSettings, serve as run_server
+        from specrt.apps.serve.http import ServeSettings, serve as run_server
     except ImportError as e:
         raise BadInput(f"specrt serve needs the serve extra ({e.name} is missing): pip install 'specrt[serve]'") from None
+    from specrt.apps.serve.scheduler import Scheduler
+    from specrt.config import needs_draft_model
     from specrt.errors import ConfigError
-    from specrt.runtime.serving import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="specrt serve: %(message)s")
     if api_key is None and os.environ.get("SPECRT_API_KEY") is not None:
@@ -102,7 +103,7 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
     if history_cap < 1:
         raise BadInput(f"--history-cap must be >= 1 (tokens), got {history_cap}")
     sock = _bind(host, port)
-    if not draft_model and drafter in ("model", "hybrid"):
+    if not draft_model and drafter is not None and needs_draft_model(drafter):
         raise BadInput(f"--drafter {drafter} needs the draft model, which --no-draft-model leaves out")
     with load_pair(pair_dir, device, history=history, history_cap=history_cap, share_prefix=history,
                    draft_model=draft_model) as pair:

@@ -1,4 +1,4 @@
-"""`specrt tune`: pick this machine's fastest drafting settings and store them in the manifest (runtime/tune.py)."""
+"""`specrt tune`: pick this machine's fastest drafting settings and store them in the manifest (apps/tune.py)."""
 from __future__ import annotations
 
 import sys
@@ -30,8 +30,8 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
          report_dir):
     """Measure this device and the prompts, pick the fastest drafting settings, store them in the manifest."""
     from specrt.errors import ConfigError
-    from specrt.runtime.bench import format_table, read_prompts, settings_grid
-    from specrt.runtime.tune import tune as run_tune, write_tuned
+    from specrt.apps.bench import format_table, read_prompts, settings_grid
+    from specrt.apps.tune import tune as run_tune, write_tuned
 
     try:
         stops = [float(c) for c in confidence_stops.split(",") if c.strip()]
@@ -42,7 +42,7 @@ def tune(pair_dir, device, prompts, draft_lens, drafters, confidence_stops, max_
     if not dry_run:
         _check_writable(pair_dir)  # before minutes of measuring, not after
     if report_dir is not None:
-        from specrt.runtime import report
+        from specrt.apps import report
 
         report.require(report_dir)
     with load_pair(pair_dir, device, use_tuned=False) as pair:

@@ -1,4 +1,4 @@
-"""The engine protocol: what the decode loop may ask of a model."""
+"""The engine protocols: what the algorithm (decoding/) may ask of a model. Engines know nothing of speculation."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -18,7 +18,7 @@ class Engine(Protocol):
     max_len: int
     batch: int
     # A wider forward runs in passes of this many tokens from its first one (None: one pass). Optional;
-    # what lets a prompt prefix be reused exactly (runtime/prefix.py).
+    # what lets a prompt prefix be reused exactly (decoding/prefix.py).
     prefill_chunk: int | None
 
     def forward(self, tokens: np.ndarray, logit_positions: np.ndarray) -> np.ndarray:
@@ -29,4 +29,34 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+
+class RaggedEngine(Engine, Protocol):
+    """An engine whose `batch` rows each hold their own length: what batched decoding (decoding/batch.py) and
+    keeping a prompt's prefix across requests (decoding/prefix.py) ask for. engines/ort.LeanEngine implements it.
+
+    `length` and `truncate` act on every row (batch 1 is the usual case)."""
+
+    lengths: np.ndarray  # [batch] int64: row r holds lengths[r] valid slots
+    # [batch] int64: per row, the lowest slot a pass has written since a caller set it (max_len: none), so
+    # that a caller keeping slots across requests sees when other code wrote over them
+    lowest_write: np.ndarray
+
+    def forward_ragged(self, tokens: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+        """Row r appends tokens[r, :counts[r]] ([B, S], right-padded; 0: the row sits out); returns logits
+        [N, V] for the flat positions `logit_index` [N] (row * S + position)."""
+        ...
+
+    def set_length(self, row: int, length: int) -> None:
+        """Row `row` keeps its first `length` slots (0: the row is free)."""
+        ...
+
+    def reclaim(self, length: int) -> None:
+        """Every row's first `length` slots count again after a truncate below them (the caller knows that
+        nothing wrote them since)."""
+        ...
+
+    def row(self, r: int) -> RaggedEngine:
+        """A batch-1 engine over row r's part of the same caches (a write there is row r's)."""
         ...

@@ -1,6 +1,6 @@
 """The CUDA driver through ctypes (no toolkit, no cuda-python): whether there is a GPU here.
 
-Used by engines/ort.py (can onnxruntime run on CUDA?) and runtime/memory.py (the GPU's free memory).
+Used by engines/ort.py (can onnxruntime run on CUDA?) and api/memory.py (the GPU's free memory).
 """
 from __future__ import annotations
 

@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrt.errors import PairError
+
 DOMAIN, OP, ATTENTION = "specrt", "Int4MatMul", "Attention"
 ENV = "SPECRT_INT4_KERNEL"
 LIBRARY_ENV = "SPECRT_INT4_LIBRARY"
@@ -129,8 +131,6 @@ def setting() -> str:
 
 def chosen_path(choice: str) -> str:
     """The path `choice` ("auto" or a name) runs on here; PairError when it cannot."""
-    from specrt.errors import PairError
-
     usable = paths()
     if choice == "auto":
         return next(p for p in usable if p != "scalar")
@@ -212,8 +212,6 @@ def plan(model_path: Path, choice: str | None = None):
     """(graph, Kernel): the graph of `model_path` (weights left in their files) with every MatMulNBits and
     GroupQueryAttention the kernels take swapped for specrt's, or None when none is (then onnxruntime loads
     the file as is)."""
-    from specrt.errors import PairError
-
     choice = setting() if choice is None else choice
     try:
         import onnx

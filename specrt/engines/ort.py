@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.config import ModelEntry
+from specrt.engines import int4
 from specrt.engines.cuda import cuda_device_count
 from specrt.errors import PairError
+from specrt.manifest import ModelEntry
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
               "tensor(int32)": "int32"}
@@ -140,8 +141,6 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
             providers = [_cuda_provider(device_id, entry.dtype, capture), "CPUExecutionProvider"]
         so, source = session_options(threads, spinning), os.fspath(path)
         if device == "cpu" and entry.graph == "lean":
-            from specrt.engines import int4
-
             source, kernel = int4.session_source(path, so)
         try:
             session = ort.InferenceSession(source, so, providers=providers)
@@ -185,7 +184,7 @@ class _Base:
     def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
                  threads: int | None = None, spinning: bool = True, session=None, device: str = "cpu",
                  device_id: int = 0, cuda_graph: bool = True, capture_width: int = 16,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, buffers: tuple[list, list, list, list] | None = None):
         """`max_len`: slots per row. `max_logits`: logits rows per row a call may ask for.
         `session`: an already loaded InferenceSession of this graph (another engine's), so that engines of
         other batch sizes, each with its own KV buffers, share one copy of the weights.
@@ -194,7 +193,9 @@ class _Base:
         of at most `capture_width` tokens a row (wider ones, prefills, run uncaptured).
         `prefill_chunk` (lean graphs): a wider call runs in passes of this many tokens a row from its first
         token: the activations' memory, which onnxruntime's arena keeps, is that of a chunk, and a prompt is
-        always read in the same passes (what lets its prefix be reused exactly, runtime/prefix.py)."""
+        always read in the same passes (what lets its prefix be reused exactly, decoding/prefix.py).
+        `buffers`: (keys, values, key pointers, value pointers) of another engine of this graph to work in
+        instead of caches of its own (a row view)."""
         self.note = None  # why CUDA graphs are off, when they were asked for and refused
         self.kernel = None  # engines/int4.Kernel: what computes the int4 matmuls on the CPU
         # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
@@ -210,7 +211,9 @@ class _Base:
         self.max_len, self.batch = max_len, batch
         self.dtype = np.dtype(entry.dtype)
         self._max_logits = max_logits
-        if device == "cpu":
+        if buffers is not None:
+            self.keys, self.values, self._key_ptrs, self._value_ptrs = buffers
+        elif device == "cpu":
             self.keys = [np.zeros(self.shape, self.dtype) for _ in range(entry.num_layers)]
             self.values = [np.zeros(self.shape, self.dtype) for _ in range(entry.num_layers)]
             self._key_ptrs = [k.ctypes.data for k in self.keys]
@@ -291,7 +294,7 @@ class LeanEngine(_Base):
         super().__init__(pair_dir, entry, max_len, max_logits, batch, **kw)
         self.lengths = np.zeros(batch, np.int64)
         # per row, the lowest slot a pass has written since someone set it (max_len: none): what lets a
-        # caller keeping slots across requests (runtime/prefix.py) see that other code wrote over them
+        # caller keeping slots across requests (decoding/prefix.py) see that other code wrote over them
         self.lowest_write = np.zeros(batch, np.int64)
         # onnxruntime < 1.32 has no query_seqlens: one call cannot give several rows several tokens each
         self.ragged = "query_seqlens" in entry.inputs
@@ -313,7 +316,7 @@ class LeanEngine(_Base):
 
     def reclaim(self, length: int) -> None:
         """Every row's first `length` slots count again, after a truncate below them: for a caller that knows
-        nothing has written them since (a prompt prefix kept across requests, runtime/prefix.py)."""
+        nothing has written them since (a prompt prefix kept across requests, decoding/prefix.py)."""
         if not 0 <= length <= self.max_len:
             raise ValueError(f"cannot reclaim {length} slots of {self.max_len}")
         self.lengths[:] = np.maximum(self.lengths, length)
@@ -413,7 +416,7 @@ class LeanEngine(_Base):
     def row(self, r: int) -> LeanEngine:
         """A batch-1 engine over row r of these buffers (same session; its length is `lengths[r]`)."""
         if r not in self._rows:
-            self._rows[r] = self._view(r)
+            self._rows[r] = _RowView(self, r)
         return self._rows[r]
 
     def close(self) -> None:
@@ -421,16 +424,21 @@ class LeanEngine(_Base):
         self._graphs = None
         super().close()
 
-    def _view(self, r: int) -> LeanEngine:
-        view = object.__new__(LeanEngine)
-        view.__dict__.update(self.__dict__)
-        view.batch, view.shape = 1, (1, *self.shape[1:])
-        view.lengths = self.lengths[r:r + 1]  # a view: the row's length moves in both
-        view.lowest_write = self.lowest_write[r:r + 1]
-        view._offset = self._offset + r * self._row_bytes
-        view._io, view._graphs, view._rows = self.session.io_binding(), None, {}  # not the captured addresses
-        view._logits = np.empty(self._max_logits * self.entry.logits_width, np.float32)
-        return view
+
+
+class _RowView(LeanEngine):
+    """Row r of a batched LeanEngine as a batch-1 engine: the same session and buffers, its length a view of
+    the batch's `lengths[r]` (it moves in both), its writes at row r's offset; uncaptured (a CUDA graph
+    holds the batch's addresses)."""
+
+    def __init__(self, batch: LeanEngine, r: int):
+        super().__init__(None, batch.entry, batch.max_len, batch._max_logits, 1, session=batch.session,
+                         device=batch.device, device_id=batch.device_id, cuda_graph=False,
+                         capture_width=batch.capture_width, prefill_chunk=batch.prefill_chunk,
+                         buffers=(batch.keys, batch.values, batch._key_ptrs, batch._value_ptrs))
+        self.lengths = batch.lengths[r:r + 1]
+        self.lowest_write = batch.lowest_write[r:r + 1]
+        self._offset = batch._offset + r * batch._row_bytes
 
 
 def _run_options(graph_id: int):

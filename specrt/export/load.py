@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import ExportError
+from specrt.export.fetch import KNOWN_MODELS, fetch_model
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,6 @@ def resolve(spec: str, progress: bool = True) -> Source:
             return Source(spec, "gguf", p, ggufs[0].name)
         raise ExportError(f"{p} has no config.json and {'several' if ggufs else 'no'} .gguf files: "
                           "pass a Hugging Face model folder or one GGUF file")
-    from specrt.export.fetch import KNOWN_MODELS, fetch_model
-
     if spec.lower() in KNOWN_MODELS:
         gguf = fetch_model(spec.lower(), progress=progress)
         return Source(spec, "gguf", gguf.parent, gguf.name)

@@ -13,10 +13,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.config import MANIFEST_NAME, Manifest, ModelEntry, write_manifest
+from specrt.engines import trt
 from specrt.errors import ExportError
+from specrt.export import load, trt_build
+from specrt.export import vocab as draft_vocab
 from specrt.export.graph import SUPPORTED_MODEL_TYPES
 from specrt.export.progress import QUIET, Progress, hash_files
+from specrt.manifest import MANIFEST_NAME, Manifest, ModelEntry, write_manifest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -105,8 +108,6 @@ class ExportConfig:
 
 def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Manifest:
     """`log`: what the user should know (one line each); `progress`: the long steps as they run."""
-    from specrt.export import load
-
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder; choose another --out")
@@ -138,8 +139,6 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
         toks = {r: load.save_tokenizer(s, tmp / f"tok-{r}") for r, s in sources.items()}
         preflight(configs, tmp, cfg.precision)
         if cfg.engine == "tensorrt":
-            from specrt.engines import trt
-
             trt.require_tensorrt()  # before minutes of export: fail now if the engines cannot be built here
         widths = {r: int(c.vocab_size) for r, c in configs.items()}
         vocab = check_tokenizers(toks, widths)
@@ -171,10 +170,8 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
             created_by=f"specrt {_version()}",
         )
         if cfg.engine == "tensorrt":
-            from specrt.engines import trt
-
-            manifest = trt.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log,
-                                              progress=progress)
+            manifest = trt_build.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log,
+                                                    progress=progress)
         write_manifest(tmp, manifest)
         _swap_in(tmp, out)
         return manifest
@@ -308,15 +305,13 @@ def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always,
     """The draft's kept output ids, counted on the calibration texts (see export/vocab.py)."""
     from tokenizers import Tokenizer
 
-    from specrt.export import vocab as v
-
-    texts = list(cfg.draft_vocab_texts) or v.default_corpus()
+    texts = list(cfg.draft_vocab_texts) or draft_vocab.default_corpus()
     with progress.of("draft vocabulary").step("counting calibration tokens"):
-        counts = v.calibration_counts(tokenizer_file, texts, vocab, strict=bool(cfg.draft_vocab_texts))
+        counts = draft_vocab.calibration_counts(tokenizer_file, texts, vocab, strict=bool(cfg.draft_vocab_texts))
     if not counts.any():
         raise ExportError("the calibration texts hold no tokens; give --draft-vocab-text FILE")
     special = list(Tokenizer.from_file(str(tokenizer_file)).get_added_tokens_decoder())  # ids of added tokens
-    ids = v.select_ids(counts, cfg.draft_vocab, [*always, *special])
+    ids = draft_vocab.select_ids(counts, cfg.draft_vocab, [*always, *special])
     seen = counts[ids].sum() / counts.sum()
     log(f"draft vocabulary: {len(ids)} of {vocab} ids, covering {seen:.1%} of {counts.sum()} calibration tokens "
         f"({int((counts > 0).sum())} distinct)")
@@ -329,7 +324,7 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None, progress
     import numpy as np
     import onnx
 
-    from specrt.export import graph, load
+    from specrt.export import graph  # torch (the export extra): imported when a model is exported
 
     folder.mkdir()
     with progress.step("loading"):
@@ -550,7 +545,7 @@ def quantize_embedding(model, path: Path, bits: int, block_size: int) -> dict:
 
 def weight_bytes(proto, folder: Path) -> dict:
     """How onnxruntime's CPU provider holds this graph's weights (measured on the int4 and fp32 pairs:
-    runtime/memory.py): MatMul/MatMulNBits weights are prepacked, i.e. copied into memory at load; the
+    api/memory.py): MatMul/MatMulNBits weights are prepacked, i.e. copied into memory at load; the
     embedding tables stay in the memory-mapped file and a pass touches only its tokens' rows."""
     import numpy as np
     import onnx

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
-from specrt.config import sha256_file
+from specrt.manifest import sha256_file
 
 
 def _ignore(n: int = 1) -> None:

@@ -1,7 +1,7 @@
 import sys, time, statistics, json
 import numpy as np
 import specrt
-from specrt.runtime.bench import read_prompts
+from specrt.apps.bench import read_prompts
 pair = specrt.load("/work/main/pairs/qwen2.5-coder-0.5b-1.5b-int4")
 files = ["bench/prompts/prompts.jsonl", "bench/prompts/long.jsonl"]
 prompts = read_prompts(files, pair)

@@ -14,8 +14,11 @@ import math
 
 import numpy as np
 
-from specrt.config import GenerationConfig, ModelEntry, SamplingConfig
+from specrt.apps.bench import Prompt
+from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
+from specrt.manifest import ModelEntry
+from specrt.decoding.sampling import warp
 
 P_MIN = 1e-4  # the statistical test fails below this p-value (about 1 false alarm in 10,000 runs)
 MIN_EXPECTED = 5.0  # chi-square bins are merged until each expects at least this many samples
@@ -163,9 +166,7 @@ def second_token_test(pair, prompt: list[int], samples: int = 400, draft_len: in
     k = max(1, min(draft_len, m.max_draft_len))
     drafter = drafter or ("model" if pair.draft is not None else "ngram")
     cfg = GenerationConfig(max_new_tokens=k + 2, draft_len=k, drafter=drafter, sampling=warm)
-    pair._check_request(prompt, cfg)
-    from specrt.runtime.sampling import warp
-
+    pair.check(prompt, cfg)
     with pair.exclusive():
         pair.target.truncate(0)
         p1 = warp(pair.target.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, 0, :V][None], warm)[0]
@@ -214,15 +215,13 @@ BUILTIN_PROMPTS = (
 
 
 def builtin_prompts(pair, limit: int | None = None) -> list:
-    """A few short code and text prompts (runtime/bench.Prompt), for a check without a prompt file."""
-    from specrt.runtime.bench import Prompt
-
+    """A few short code and text prompts (apps/bench.Prompt), for a check without a prompt file."""
     return [Prompt(str(i), pair.encode(p), "builtin") for i, p in enumerate(BUILTIN_PROMPTS, 1)][:limit]
 
 
 def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4, samples: int = 400,
                on_event=None) -> dict:
-    """Is `pair` lossless here: per prompt (runtime/bench.Prompt), greedy speculative vs greedy target-only
+    """Is `pair` lossless here: per prompt (apps/bench.Prompt), greedy speculative vs greedy target-only
     (`first_divergence`, `classify`); then, unless `samples` is 0, `second_token_test` on the first prompt.
 
     Returns {"draft_len", "drafter", "max_new_tokens", "threshold", "numerics", "prompts": [{"id", "verdict",
@@ -232,11 +231,12 @@ def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4
     "samples", "draft_len", "drafter"}) before the sampling test; ("sampled", its result) after it.
     """
     on_event = on_event or (lambda kind, data: None)
+    # not a request's defaults: the check verifies the draft model's rounds when there is one, without early stops
     drafter = "model" if pair.draft is not None else "ngram"
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, drafter=drafter)
     for p in prompts:  # every bad setting is reported before anything runs
         try:
-            pair._check_request(p.ids, cfg)
+            pair.check(p.ids, cfg)
         except ConfigError as e:
             raise ConfigError(f"prompt {p.id}: {e}") from None
     kernel = getattr(pair.target, "kernel", None)

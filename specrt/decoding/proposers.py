@@ -4,7 +4,7 @@ A proposal is `tokens [k'] (k' <= k)` with `p_draft [k', V]`, or None for point 
 is deterministic, or greedy), which the rejection test handles exactly: d is accepted with probability
 p_target(d). After verification the round tells every proposer how much of the sequence is committed,
 so a model proposer rolls its cache back. Which proposer drafts and how far is the policy's choice
-(runtime/policy.py); the round (runtime/decode.py) knows neither by name.
+(decoding/policy.py); the round (decoding/decode.py) knows neither by name.
 
 A model proposer's draft loop is a coroutine (`steps`): it yields the tokens each draft pass reads and
 is sent that pass's logits row. `propose` drives it over the proposer's own engine (batch 1); batched
@@ -22,7 +22,7 @@ import numpy as np
 from specrt.config import HISTORY_CAP, SamplingConfig
 from specrt.engines.base import Engine
 from specrt.errors import ConfigError
-from specrt.runtime import sampling
+from specrt.decoding import sampling
 
 
 @dataclass(frozen=True)

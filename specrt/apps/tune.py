@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.config import read_manifest, write_manifest
-from specrt.runtime.batch import batch_engine
-from specrt.runtime.bench import run_bench
+from specrt.apps.bench import run_bench
+from specrt.engines.select import batch_engine
+from specrt.manifest import read_manifest, write_manifest
 
 
 def measure_costs(pair, past: int = 128, repeats: int = 5, batch_sizes: tuple[int, ...] = ()) -> dict:

@@ -16,7 +16,7 @@ confidence also predicts what a model draft would have got there (`Calibration`)
 estimate without a probe. Positions past the chosen k are never observed, so now and then it drafts
 one more token than it would, to measure it again.
 
-Everything tunable is one frozen `AutoConfig`; what requests learn (costs, acceptance, calibration, and
+Everything tunable is one frozen `PolicyConfig`; what requests learn (costs, acceptance, calibration, and
 the history of outputs the suffix proposer drafts from) is one `PolicyState` that the Pair carries
 between requests.
 """
@@ -30,13 +30,14 @@ from typing import Protocol
 
 import numpy as np
 
-from specrt.runtime import sampling
-from specrt.runtime.proposers import History, LookupProposer, ModelProposer, Proposal, Proposer, SuffixProposer
+from specrt.config import needs_draft_model
+from specrt.decoding import sampling
+from specrt.decoding.proposers import History, LookupProposer, ModelProposer, Proposal, Proposer, SuffixProposer
 
 
 @dataclass(frozen=True)
-class AutoConfig:
-    """The policy's settings. A variant to compare is `dataclasses.replace(AutoConfig(), field=...)`."""
+class PolicyConfig:
+    """The policy's settings. A variant to compare is `dataclasses.replace(PolicyConfig(), field=...)`."""
 
     # acceptance per position a request starts from when nothing was learned yet
     prior: float = 0.7
@@ -194,7 +195,7 @@ class Round:
 class Controller:
     """The acceptance estimate and probe schedule of one proposal kind within a request."""
 
-    def __init__(self, max_k: int, costs: CostModel, config: AutoConfig = AutoConfig(), free_draft: bool = False,
+    def __init__(self, max_k: int, costs: CostModel, config: PolicyConfig = PolicyConfig(), free_draft: bool = False,
                  accept: Sequence[float] = ()):
         self.max_k, self.costs, self.c, self.free_draft = max_k, costs, config, free_draft
         self.accept = list(accept)[:max_k] + [config.prior] * (max_k - len(accept[:max_k]))
@@ -311,7 +312,7 @@ class Policy(Protocol):
 
 
 class _Base:
-    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: AutoConfig):
+    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: PolicyConfig):
         self.proposers, self.max_k, self.state, self.c = tuple(proposers), max_k if proposers else 0, state, config
         self.lookup = next((p for p in proposers if p.free), None)
         self.model = next((p for p in proposers if not p.free), None)
@@ -347,7 +348,7 @@ class Fixed(_Base):
     tokens (a 1-token match is right ~20% of the time, the model's first token ~80% on code)."""
 
     def __init__(self, k: int, proposers: Sequence[Proposer], state: PolicyState | None = None,
-                 config: AutoConfig = AutoConfig()):
+                 config: PolicyConfig = PolicyConfig()):
         super().__init__(proposers, k, state or PolicyState(), config)
 
     def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
@@ -364,7 +365,7 @@ class Auto(_Base):
     """draft_len="auto" (module docstring)."""
 
     def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState | None = None,
-                 config: AutoConfig = AutoConfig()):
+                 config: PolicyConfig = PolicyConfig()):
         super().__init__(proposers, max_k, state or PolicyState(), config)
         self.hybrid = self.lookup is not None and self.model is not None
 
@@ -461,7 +462,7 @@ class Auto(_Base):
 
 def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | None = None,
           model: Callable[..., ModelProposer] | None = None, ngram_max: int = 16,
-          config: AutoConfig = AutoConfig()) -> Fixed | Auto:
+          config: PolicyConfig = PolicyConfig()) -> Fixed | Auto:
     """The policy for a request: `drafter` "model" | "ngram" | "suffix" | "hybrid"; `model(skip=)`
     makes the model proposer (None: the pair has no draft model); `state.history` is what the suffix
     proposer searches besides the request (none: only the request, like prompt lookup)."""
@@ -474,7 +475,7 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
                                         kinds=config.lookup_kinds, min_share=config.suffix_share))
     elif drafter in ("ngram", "hybrid"):
         proposers.append(LookupProposer(ngram_max, kinds=config.lookup_kinds))
-    if drafter in ("model", "hybrid"):
+    if needs_draft_model(drafter):
         proposers.append(model(skip=config.skip if drafter == "hybrid" else None))
     if draft_len == "auto":
         return Auto(proposers, max_k, state, config)

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not),
 GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests run through
-runtime/serving.Scheduler; this module only translates between HTTP and it.
+apps/serve/scheduler.Scheduler; this module only translates between HTTP and it.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status that
 fits (400 bad field, 401 key, 404 route or model, 408 body too slow, 413 body too big, 429 queue full,
@@ -20,16 +20,16 @@ import secrets
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from specrt.apps.serve.scheduler import QueueFull, Scheduler, ShuttingDown
 from specrt.config import DRAFTERS, MAX_STOP_CHARS, MAX_STOPS, GenerationConfig, SamplingConfig
 from specrt.errors import SpecrtError
-from specrt.runtime.serving import QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("specrt.serve")
 
@@ -179,7 +179,7 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
         cfg = pair.config(draft_len=draft_len, drafter=drafter, max_new_tokens=min(max_tokens or room, room),
                           sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
                           seed=secrets.randbits(31) if seed is None else seed, stop=tuple(stop))
-        pair._check_request(prompt, cfg)
+        pair.check(prompt, cfg)
     except SpecrtError as e:
         raise APIError(400, str(e)) from None
     return cfg

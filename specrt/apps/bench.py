@@ -15,9 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.config import GenerationConfig, SamplingConfig
+from specrt.config import SamplingConfig
 from specrt.errors import ConfigError
-from specrt.runtime.proposers import History
+from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.proposers import History
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, drafters: list[str] = ("model",),
               progress=None, confidence_stops: list[float] = (0.0,)) -> dict:
     settings = settings_grid(draft_lens, drafters, confidence_stops)
-    cfgs = {s: GenerationConfig(max_new_tokens=max_new_tokens, draft_len=s[1], sampling=sampling, seed=seed,
-                                drafter=s[0] if s[1] else "model", confidence_stop=s[2]) for s in settings}
+    cfgs = {s: pair.config(max_new_tokens=max_new_tokens, draft_len=s[1], sampling=sampling, seed=seed,
+                           drafter=s[0] if s[1] else "model", confidence_stop=s[2]) for s in settings}
     for cfg in cfgs.values():  # warm-up (and up-front validation of every setting)
         pair.run(prompts[0].ids, cfg)
     runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
@@ -197,13 +198,11 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
     BatchDecoder (slots are refilled as rows finish), rate = generated tokens / wall seconds of that
     run, prefills included. Settings are interleaved inside each repeat; medians over repeats;
     speedups against batch 1, draft length 0 of the same run."""
-    from specrt.runtime.batch import BatchDecoder, Request
-
     if "auto" in draft_lens:
         raise ConfigError("--batch-sizes needs fixed draft lengths (integers), not 'auto'")
     settings = [(k, b) for k in draft_lens for b in batch_sizes]
-    cfgs = {k: GenerationConfig(max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed,
-                                drafter=drafter if k else "model") for k in draft_lens}
+    cfgs = {k: pair.config(batched=True, max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed,
+                           drafter=drafter if k else "model", confidence_stop=0.0) for k in draft_lens}
     decoders = {}
     try:
         for k, b in settings:  # one decoder (KV caches) per batch size; warm-up and validation up front

@@ -41,8 +41,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig, read_manifest, sha256_file
+from specrt.api import requests
+from specrt.api.pair import load
+from specrt.api.text import TextCodec
+from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig, needs_draft_model
 from specrt.errors import ConfigError, SpecrtError
+from specrt.manifest import read_manifest, sha256_file
+from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.proposers import History
 
 JOB_FORMAT = "specrt-batch-job"
 JOB_VERSION = 1
@@ -59,7 +65,7 @@ class JobError(SpecrtError):
 @dataclass(frozen=True)
 class JobSettings:
     """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop.
-    None means the pair's default (what `specrt tune` stored, else see batch.default_draft_len).
+    None means the pair's default (what `specrt tune` stored, else api/requests.defaults).
     draft_len "auto": generate's per-round policy, one record at a time (batch size 1, see `Runner`)."""
 
     max_new_tokens: int = 128
@@ -88,25 +94,21 @@ class Record:
 
 def resolve_settings(m, s: JobSettings) -> JobSettings:
     """Fill the pair's defaults in, so that the job identity names what actually runs."""
-    from specrt.runtime.batch import default_draft_len, default_drafter
-    from specrt.runtime.pair import request_defaults
-
     tuned = m.tuned or {}
     if tuned and tuned.get("graphs") != m.graph_hashes():
         tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
-    if s.draft_len == "auto":  # records run as `generate` runs them: its default drafter too
-        drafter = s.drafter or request_defaults(tuned, m.draft is not None)[0]
-    else:
-        drafter = s.drafter or default_drafter(m, tuned)
-    k = default_draft_len(m, tuned) if s.draft_len is None else s.draft_len
-    cs = tuned.get("confidence_stop", 0.0) if s.confidence_stop is None else s.confidence_stop
-    out = replace(s, drafter=drafter, draft_len=k, confidence_stop=cs)
+    # draft_len auto: records run one at a time as `generate` runs them, with its defaults; else as batch rows
+    drafter, k, cs = requests.defaults(m, tuned, m.draft is not None, batched=s.draft_len != "auto")
+    k = k if s.draft_len is None else s.draft_len
+    out = replace(s, drafter=s.drafter or drafter, draft_len=k,
+                  confidence_stop=cs if s.confidence_stop is None else s.confidence_stop)
+    drafter = out.drafter
     # Checks of the job-wide settings: a ConfigError before anything runs.
     _config(out, {}, 0)
     if k != "auto" and k > m.max_draft_len:
         raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
                           "(set at export with --max-draft-len)")
-    if k and drafter in ("model", "hybrid") and m.draft is None:
+    if needs_draft_model(drafter, k) and m.draft is None:
         raise ConfigError(f"this pair has no draft model, which drafter {drafter!r} needs; "
                           "use drafter 'ngram' or draft_len 0")
     return out
@@ -156,10 +158,6 @@ def _encode(codec, m, rec: dict, chat: bool) -> list[int]:
 def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], str]:
     """Parse and validate every line. Returns (records, sha256 of the file). Bad records become
     records with an error; duplicate ids, an unreadable or empty file raise JobError."""
-    from specrt.runtime.batch import check_request
-    from specrt.runtime.pair import check_request as check_lone
-
-    check = check_lone if s.draft_len == "auto" else check_request  # auto: each record runs alone (Runner)
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
@@ -190,7 +188,7 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
         try:
             r.prompt = _encode(codec, m, rec, s.chat)
             r.cfg = _config(s, rec, record_seed(s.seed, r.key))
-            check(m, r.prompt, r.cfg)
+            requests.check(m, r.prompt, r.cfg, batched=s.draft_len != "auto")  # auto: each record alone (Runner)
         except (ValueError, TypeError, SpecrtError) as e:
             r.prompt = r.cfg = None
             r.error = f"line {n}: {e}"
@@ -457,8 +455,6 @@ class Runner:
         return replace(cfg, draft_len=0) if plain and cfg.draft_len else cfg
 
     def results(self, requests):
-        from specrt.runtime.batch import BatchDecoder, Request
-
         reqs, i = list(requests), 0
         if reqs and reqs[0].cfg.draft_len == "auto":
             if self.chosen is None:
@@ -557,8 +553,6 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
     `device`: where the pair runs ("auto", "cpu", "cuda"; Ray actors run on their CPUs).
     `history_cap`: tokens of earlier records' outputs the suffix drafter keeps (each process its own; a resumed
     local job starts from the outputs already in the file, as the uninterrupted run held them)."""
-    from specrt.runtime.text import TextCodec
-
     log = log or _log
     if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ConfigError(f"batch size must be an integer >= 1 or 'auto', got {batch_size!r}")
@@ -566,8 +560,6 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         raise ConfigError(f"--ray-cpus-per-actor must be >= 1, got {ray_cpus_per_actor}")
     if ray_actors is not None and ray_actors < 1:
         raise ConfigError(f"--ray-actors must be >= 1, got {ray_actors}")
-    from specrt.runtime.proposers import History
-
     History(history_cap)  # a bad cap is refused before anything runs
     pair_dir = Path(pair_dir)
     m = read_manifest(pair_dir)
@@ -596,8 +588,6 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         pending = [r for r in todo if r.error is None]
         # Load the pair or reach Ray before writing anything: a bad pair or address leaves the output as it was.
         if pending and ray_address is None:
-            from specrt.runtime.pair import load
-
             if device not in ("auto", "cpu", "cuda"):
                 raise ConfigError(f"batched decoding runs on onnxruntime: device auto, cpu or cuda, not {device!r}")
             pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap,
@@ -619,8 +609,6 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         try_plain = settings.draft_len is None and s.draft_len > 0
         t0 = time.perf_counter()
         if pair is not None:
-            from specrt.runtime.batch import Request
-
             ids = {r.key: r.id for r in pending}
             runner = Runner(pair, batch_size, log, try_plain)
             try:
@@ -661,14 +649,10 @@ class RayWorker:
     """A Ray actor (wrapped by ray.remote at run time): loads the pair once, decodes shards."""
 
     def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False, draft_model: bool = True):
-        import specrt
-
-        self.pair = specrt.load(pair_dir, threads=threads, device="cpu", draft_model=draft_model)
+        self.pair = load(pair_dir, threads=threads, device="cpu", draft_model=draft_model)
         self.runner = Runner(self.pair, batch_size, try_plain=try_plain)
 
     def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:
-        from specrt.runtime.batch import Request
-
         done = list(self.runner.results(Request(k, p, c) for k, p, c in shard))
         return done, self.runner.chosen
 
@@ -709,7 +693,7 @@ def _ray_start(address: str, init: dict | None):
 
 def _needs_draft(pending: list[Record]) -> bool:
     """Whether a record drafts with the draft model: a job that drafts by prompt lookup leaves it out (its memory)."""
-    return any(r.cfg.draft_len and r.cfg.drafter in ("model", "hybrid") for r in pending)
+    return any(needs_draft_model(r.cfg.drafter, r.cfg.draft_len) for r in pending)
 
 
 def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOutput, bar: _Progress,

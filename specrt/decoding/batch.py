@@ -21,7 +21,7 @@ copied or compacted; the C - max_len spare slots are room for a padded pass at a
 *Refill.* A new request's prompt is prefilled by batch-1 passes over its own row of the batch caches
 (`LeanEngine.row`): the passes a lone run makes, with the same inputs, so its first token is the lone
 run's, and nothing else is computed or copied. A row keeps the whole prompt chunks it shares with the
-previous request it ran (a job's shared instruction), exactly as a lone run keeps them (runtime/prefix.py).
+previous request it ran (a job's shared instruction), exactly as a lone run keeps them (decoding/prefix.py).
 
 *onnxruntime before 1.32* has no GroupQueryAttention `query_seqlens`: one call then cannot give
 several rows several tokens each, and the engine runs such passes (verifies, catch-ups) one row at a
@@ -31,7 +31,7 @@ time; one-token passes (draft steps, plain decoding) stay batched.
 runs below full batch.
 
 *Exactness.* Each row has its own `np.random.Generator(seed)` and draws exactly as
-`runtime.decode.decode` would for that request alone: one uniform for the first token, one per
+`spec.decode.decode` would for that request alone: one uniform for the first token, one per
 drafted token, k+1 for the accept test, in the same order, with the same k per round (fixed
 draft_len, limited by the tokens left). So a row's output equals its lone output whenever the
 logits agree: token for token in greedy, and draw for draw in sampling. Batched passes can differ
@@ -39,7 +39,7 @@ from batch-1 passes in the last bits (other GEMM shapes); on fp32 models that ch
 exact near-tie (the tests find none); int4 at accuracy level 4 rounds differently per batch shape
 (see the README), so there greedy batch and lone text can part at a near-tie, both faithful to the
 weights. `draft_len="auto"` is not supported (its choices depend on per-request timings). A row's draft
-reads its prompt by the lone run's catch-up rule (runtime.proposers.model_drafter), so a row equals it.
+reads its prompt by the lone run's catch-up rule (spec.proposers.model_drafter), so a row equals it.
 """
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ from typing import Any
 
 import numpy as np
 
-from specrt.config import GenerationConfig, SamplingConfig
+from specrt.config import GenerationConfig
 from specrt.errors import ConfigError
-from specrt.runtime import sampling
-from specrt.runtime.decode import Stats, emit
-from specrt.runtime.policy import PolicyState, Round, build
-from specrt.runtime.prefix import PromptCache
-from specrt.runtime.proposers import NOTHING, ModelProposer, Proposal, model_drafter
+from specrt.decoding import sampling
+from specrt.decoding.decode import Result, Stats, emit
+from specrt.decoding.policy import PolicyState, Round, build
+from specrt.decoding.prefix import PromptCache
+from specrt.decoding.proposers import NOTHING, ModelProposer, Proposal, model_drafter
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
 # What a request iterator yields for "none now, ask again next round" (a server's queue being empty):
@@ -101,42 +101,6 @@ class BatchTotals:
         return d
 
 
-def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
-    """A lean engine of batch `batch` with its own caches over the loaded session of engine `base`."""
-    from specrt.engines.ort import LeanEngine
-
-    if not isinstance(base, LeanEngine):
-        kind = {"portable": "standard-op (TensorRT) graphs", "contrib": "graphs of an older specrt"}.get(
-            base.entry.graph, f"{base.entry.graph} graphs")
-        where = "TensorRT engines run one sequence" if getattr(base, "device", "") == "tensorrt" else f"this pair has {kind}"
-        raise ConfigError(f"batched decoding runs on the lean onnxruntime graph, and {where}; "
-                          "re-export the pair with this specrt (without --engine tensorrt), or use --batch-size 1")
-    return LeanEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session,
-                      device=base.device, device_id=base.device_id, cuda_graph=base.captures,
-                      capture_width=base.capture_width, prefill_chunk=base.prefill_chunk)
-
-
-def kv_bytes(m, batch: int, cache_len: int, draft: bool = True) -> int:
-    """Bytes of the batch KV caches of both models (allocated in full when a BatchDecoder is made);
-    `draft=False`: of the target's alone (a pair loaded without its draft model)."""
-    return sum(e.num_layers * 2 * cache_len * batch * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
-               for e in (m.target, m.draft if draft else None) if e is not None)
-
-
-def _check_memory(m, batch: int, cache_len: int, device: str = "cpu", draft: bool = True) -> None:
-    """Refuse a batch whose KV caches do not fit in the memory available now (when that is known)."""
-    from specrt.runtime.memory import available_bytes, fmt, gpu_free_bytes
-
-    avail = gpu_free_bytes() if device == "cuda" else available_bytes()
-    need = kv_bytes(m, batch, cache_len, draft)
-    if avail is not None and need > avail:
-        fits = max(0, batch * avail // need)
-        where = "GPU memory" if device == "cuda" else "memory"
-        raise ConfigError(f"a batch of {batch} needs {fmt(need)} of KV cache (max_len {m.max_len}), "
-                          f"{fmt(avail)} of {where} are available; "
-                          + (f"use a batch size <= {fits}" if fits else "use a smaller batch or a shorter --max-len"))
-
-
 class Rows:
     """A batch engine's rows, each holding its own sequence (see the module docstring)."""
 
@@ -152,7 +116,7 @@ class Rows:
 
     def prefill(self, r: int, prompt: list[int]) -> tuple[np.ndarray, int]:
         """Row r := `prompt`, read by batch-1 passes over the row as a lone run reads it (the whole chunks it
-        shares with the row's previous prompt kept, runtime/prefix.py); returns (the last position's logits
+        shares with the row's previous prompt kept, decoding/prefix.py); returns (the last position's logits
         [W], the prompt tokens kept)."""
         return self.prompts[r].read(self.e.row(r), prompt)
 
@@ -219,7 +183,7 @@ class _Row:
     seq: list[int]
     out: list[int] = field(default_factory=list)
     reason: str = ""
-    policy: Any = None  # a Fixed policy over this row's proposers (runtime/policy.py)
+    policy: Any = None  # a Fixed policy over this row's proposers (decoding/policy.py)
     proposer: Any = None  # this round's
     k: int = 0  # drafts this round's plan asked for
 
@@ -243,8 +207,7 @@ class BatchDecoder:
         self.vocab, self.eos = m.vocab_size, frozenset(m.eos_token_ids)
         self.width = m.max_draft_len + 1
         self.cache_len = m.max_len + self.width  # the rotary tables of a lean graph cover this many positions
-        _check_memory(m, batch_size, self.cache_len, getattr(pair.target, "device", "cpu"), pair.draft is not None)
-        target = batch_engine(pair.dir, pair.target, self.cache_len, self.width, batch_size)
+        target = pair.batch_engine("target", batch_size, self.cache_len, self.width)
         self.target = Rows(target, self.width)
         self._draft = None  # made on first need: a target-only job allocates no draft cache
         self.totals = BatchTotals(batch_size=batch_size)
@@ -252,13 +215,13 @@ class BatchDecoder:
     @property
     def draft(self) -> Rows:
         if self._draft is None:
-            draft = batch_engine(self.pair.dir, self.pair.draft, self.cache_len, 1, self.B)
+            draft = self.pair.batch_engine("draft", self.B, self.cache_len, 1)
             self._draft = Rows(draft, self.width)
         return self._draft
 
     def check(self, prompt: list[int], cfg: GenerationConfig) -> None:
-        """Raise ConfigError for a request this decoder cannot run (see check_request)."""
-        check_request(self.pair.manifest, prompt, cfg, self.pair.draft_left_out)
+        """Raise ConfigError for a request this decoder cannot run (the pair's check of a batch row)."""
+        self.pair.check(prompt, cfg, batched=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -305,12 +268,10 @@ class BatchDecoder:
         return self._draft.passes if self._draft else 0
 
     def _start(self, r: int, req: Request) -> _Row:
-        from specrt.runtime.text import TextStream
-
         self.check(req.prompt, req.cfg)
         cfg, prompt = req.cfg, list(req.prompt)
         k = cfg.draft_len
-        row = _Row(req=req, stream=TextStream(self.pair.codec, cfg.stop), start=time.perf_counter(),
+        row = _Row(req=req, stream=self.pair.text_stream(cfg.stop), start=time.perf_counter(),
                    rng=np.random.default_rng(cfg.seed), seq=list(prompt),
                    stats=Stats(draft_len=k, proposed_at=[0] * k, accepted_at=[0] * k, prompt_tokens=len(prompt)))
         if not getattr(self.pair, "share_prefix", True):
@@ -327,7 +288,7 @@ class BatchDecoder:
 
         state = PolicyState(history=self.pair.state.history)  # a fixed policy learns nothing else to keep
         row.policy = build(k, cfg.drafter, self.pair.manifest.max_draft_len, state, model=model, ngram_max=cfg.ngram_max,
-                           config=self.pair.auto_config)
+                           config=self.pair.policy_config)
         row.policy.start(prompt)  # a model proposer reads the prompt in its first draft pass, as alone
         self.totals.requests += 1
         self._emit(row, [x])
@@ -350,8 +311,6 @@ class BatchDecoder:
             row.reason = "cancelled"
 
     def _finish(self, r: int, row: _Row):
-        from specrt.runtime.pair import Result
-
         self.target.release(r)
         if self._draft is not None:
             self._draft.release(r)
@@ -424,60 +383,3 @@ class BatchDecoder:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False) -> None:
-    """Raise ConfigError for a request a batch cannot run: the checks of a lone run, plus a fixed
-    draft_len. `m` is the pair's Manifest; `draft_left_out`: the pair was loaded without its draft model."""
-    from specrt.runtime.pair import check_request as check_lone
-
-    if cfg.draft_len == "auto":
-        raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
-    check_lone(m, prompt, cfg, draft_left_out)
-
-
-def default_draft_len(m, tuned: dict | None = None) -> int:
-    """The draft length a batch uses unless told: the tuned one if it is a number, else min(4, max_draft_len).
-    `m` is the pair's Manifest, `tuned` the settings `specrt tune` stored (Pair.tuned)."""
-    k = (tuned or {}).get("draft_len")
-    if isinstance(k, int) and not isinstance(k, bool):
-        return min(k, m.max_draft_len)
-    return min(4, m.max_draft_len)
-
-
-def default_drafter(m, tuned: dict | None = None, draft: bool = True) -> str:
-    """The drafter a batch uses unless told: the tuned one, else the draft model (batches draft at a fixed
-    length, measured with it), or prompt lookup for a pair without one (or loaded without it: `draft`)."""
-    from specrt.runtime.pair import tuned_drafter
-
-    has_draft = draft and m.draft is not None
-    return tuned_drafter(tuned, has_draft) or ("model" if has_draft else "ngram")
-
-
-def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, draft_len: int | None = None,
-                   stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-                   confidence_stop: float | None = None, totals: dict | None = None) -> list:
-    """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
-
-    `seed` is one seed for every prompt (each then gets what `pair.generate(prompt, seed=seed)` gets)
-    or a list with one per prompt. `totals`, if given, receives the batch totals (BatchTotals.as_dict).
-    """
-    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    k = default_draft_len(pair.manifest, pair.tuned) if draft_len is None else draft_len
-    dr = default_drafter(pair.manifest, pair.tuned, pair.draft is not None)
-    sampling_cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    reqs = []
-    with BatchDecoder(pair, batch_size) as dec:
-        for i, (p, s) in enumerate(zip(prompts, seeds)):
-            cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=k, seed=s, stop=tuple(stop), drafter=drafter or dr,
-                              confidence_stop=confidence_stop, sampling=sampling_cfg)
-            ids = pair.encode(p, chat)
-            dec.check(ids, cfg)
-            reqs.append(Request(i, ids, cfg))
-        out = dict(dec.run(reqs))
-        if totals is not None:
-            totals.update(dec.totals.as_dict())
-    return [out[i] for i in range(len(prompts))]

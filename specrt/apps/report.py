@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specrt import __version__
 from specrt.errors import ConfigError
-from specrt.runtime.policy import Controller, CostModel
+from specrt.decoding.policy import Controller, CostModel
 
 FILES = ("index.html", "report.json", "speed.png", "acceptance.png", "costs.png", "prompts.png", "batch.png")
 LOOKUP = ("ngram", "suffix")  # drafters whose proposals cost no model pass

@@ -1,7 +1,7 @@
 """A server's requests on one Pair: a bounded queue and one worker thread that owns the pair.
 
 One request waiting runs alone (`Pair.run`: the pair's lone defaults, draft_len auto with the hybrid
-drafter). With more than one waiting they run through the batched decoder (runtime/batch.py),
+drafter). With more than one waiting they run through the batched decoder (decoding/batch.py),
 continuously: a finished row takes the next waiting request, and the batch ends when no row is left.
 Batched rows draft at `batch_draft_len` unless the request names a draft length: on the CPU batching
 and speculation compete for the same spare compute (bench/RESULTS.md, "Batched decoding").
@@ -21,6 +21,7 @@ from typing import Any
 
 from specrt.config import GenerationConfig
 from specrt.errors import ConfigError, SpecrtError
+from specrt.decoding.batch import WAIT, BatchDecoder, Request
 
 log = logging.getLogger("specrt.serve")
 
@@ -71,8 +72,6 @@ class Scheduler:
         # Made now, so that a batch whose KV caches do not fit is refused at start (ConfigError).
         self._decoder = None
         if batch_size > 1:
-            from specrt.runtime.batch import BatchDecoder
-
             self._decoder = BatchDecoder(pair, batch_size)
         self.running = 0
         self.recent_s: collections.deque[float] = collections.deque(maxlen=32)  # seconds of recent jobs
@@ -150,8 +149,6 @@ class Scheduler:
             self._done(job, res)
 
     def _batch(self, first: Job) -> None:
-        from specrt.runtime.batch import WAIT, Request
-
         jobs: dict[int, Job] = {}
 
         def requests():

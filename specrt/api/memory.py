@@ -31,9 +31,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specrt.config import Manifest, ModelEntry
+import numpy as np
+
 from specrt.engines.cuda import libcuda as _libcuda
+from specrt.engines.select import PREFILL_CHUNK
 from specrt.errors import ConfigError, PairError
+from specrt.manifest import Manifest, ModelEntry
 
 ENV_AVAILABLE = "SPECRT_MEM_AVAILABLE_BYTES"
 ENV_GPU_AVAILABLE = "SPECRT_GPU_MEM_AVAILABLE_BYTES"  # the same knob for the GPU's free memory
@@ -48,17 +51,9 @@ PACKED_FACTOR = 1.05
 MAPPED_ALLOWANCE = 32 * MB  # page cache of an embedding table's touched rows, per model (measured 8-60 MB)
 ACTIVATION_FACTOR = 2  # activations of a pass: this many gate/up outputs per token (measured at chunks of 128)
 MIN_MAX_LEN = 16  # `specrt export --max-len` refuses less
-# Prompts are read in chunks of this many tokens from position 0, which is also the unit in which a prompt's
-# prefix is kept across requests (runtime/prefix.py). CPU: 64 reads a prompt ~3% slower than 128 (int4 pair,
-# 15 prompts of 46-1642 tokens) and keeps a job's shared instruction (bench/prompts/repetitive.jsonl shares
-# 89 tokens: 64 kept, none at 128); a 1024-token prompt in one pass would take 16x a chunk's activations.
-# On a GPU wider passes are cheaper per token: not measured, a larger chunk.
-PREFILL_CHUNK = {"cpu": 64, "cuda": 512}
 
 
 def _itemsize(entry: ModelEntry) -> int:
-    import numpy as np
-
     return np.dtype(entry.dtype).itemsize
 
 
@@ -266,3 +261,22 @@ def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | 
     where = f"GPU memory on cuda:{device_id}" if device == "cuda" else "memory"
     raise PairError(f"not enough {where} to load {pair_dir}: it needs about {fmt(est.total)} ({parts}), "
                     f"{fmt(avail)} are available; {fix}")
+
+
+def kv_bytes(m, batch: int, cache_len: int, draft: bool = True) -> int:
+    """Bytes of the batch KV caches of both models (allocated in full when a BatchDecoder is made);
+    `draft=False`: of the target's alone (a pair loaded without its draft model)."""
+    return sum(e.num_layers * 2 * cache_len * batch * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
+               for e in (m.target, m.draft if draft else None) if e is not None)
+
+
+def check_batch(m, batch: int, cache_len: int, device: str = "cpu", draft: bool = True) -> None:
+    """Refuse a batch whose KV caches do not fit in the memory available now (when that is known)."""
+    avail = gpu_free_bytes() if device == "cuda" else available_bytes()
+    need = kv_bytes(m, batch, cache_len, draft)
+    if avail is not None and need > avail:
+        fits = max(0, batch * avail // need)
+        where = "GPU memory" if device == "cuda" else "memory"
+        raise ConfigError(f"a batch of {batch} needs {fmt(need)} of KV cache (max_len {m.max_len}), "
+                          f"{fmt(avail)} of {where} are available; "
+                          + (f"use a batch size <= {fits}" if fits else "use a smaller batch or a shorter --max-len"))

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specrt.api import memory, requests
+from specrt.api.pair import load
+from specrt.api.text import TextCodec
+from specrt.engines import int4
+from specrt.engines import ort as ort_engines
+from specrt.errors import PairError, SpecrtError
+from specrt.manifest import read_manifest, verify_files
+
 
 def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
     """Everything `specrt info` shows, as a JSON-able dict. Reads the manifest and file sizes only.
-    `budget`: a board name or a number of bytes (runtime/memory.parse_budget) to check the pair against."""
-    from specrt.config import read_manifest
-    from specrt.errors import PairError
-    from specrt.runtime import memory
-    from specrt.runtime.pair import request_defaults
-
+    `budget`: a board name or a number of bytes (api/memory.parse_budget) to check the pair against."""
     m = read_manifest(pair_dir)
     for e in (m.target, m.draft):
         for name in e.files if e is not None else ():
@@ -41,7 +44,7 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
         tuned = {k: t.get(k) for k in ("drafter", "draft_len", "confidence_stop", "acceptance", "costs", "measured")}
         tuned["stale"] = t.get("graphs") != m.graph_hashes()
     # what a request that names no drafter or draft length gets (a stale "tuned" entry is refused at load)
-    drafter, draft_len = request_defaults(m.tuned if tuned and not tuned["stale"] else None, m.draft is not None)
+    drafter, draft_len, _ = requests.defaults(m, m.tuned if tuned and not tuned["stale"] else None, m.draft is not None)
     try:
         import onnxruntime as ort
 
@@ -77,10 +80,6 @@ def problems(pair_dir: Path, m) -> list[str]:
     """What is wrong with the pair's files, one line each (empty: nothing found): every graph file against its
     sha256 (hashed unless unchanged since it last matched), each graph's structure and inputs and outputs
     against the manifest, the tokenizer."""
-    from specrt.config import verify_files
-    from specrt.errors import SpecrtError
-    from specrt.runtime.text import TextCodec
-
     found = []
     for role, e in (("target", m.target), ("draft", m.draft)):
         if e is None:
@@ -130,9 +129,6 @@ def _graph_problem(path: Path, e) -> str | None:
 def _int4_kernel(path: Path, e) -> dict | None:
     """What computes the graph's matmuls and attention on the CPU (engines/int4.py), as the CPU engine would
     load it; None for a graph the CPU engine does not run (not a lean graph, or fp16 activations)."""
-    from specrt.engines import int4
-    from specrt.errors import PairError
-
     if e.graph != "lean" or e.dtype != "float32":
         return None
     try:
@@ -146,9 +142,7 @@ def _int4_kernel(path: Path, e) -> dict | None:
 
 def _engines(m, ort_version) -> list[dict]:
     """What can run this pair here: onnxruntime CPU always, CUDA for a pair with fp16 activations, TensorRT engines."""
-    from specrt.engines.ort import cuda_available
-
-    why = cuda_available() if ort_version else "onnxruntime is not installed"
+    why = ort_engines.cuda_available() if ort_version else "onnxruntime is not installed"
     gpu = "" if m.for_gpu else ("; this pair's graphs run on the CPU only (fp32 activations, or an older specrt's "
                                 "CPU ops): export with --precision fp16 (or int4 --activations fp16) for a GPU")
     out = [{"name": "onnxruntime", "version": ort_version, "provider": "CPUExecutionProvider",
@@ -175,9 +169,6 @@ def measure(pair_dir: Path, max_new_tokens: int = 128, draft_model: bool = True)
     resident memory afterwards, beside the estimate for the same number of cache positions.
     `draft_model=False`: the target alone, drafting by prompt lookup."""
     import resource
-
-    from specrt.runtime import memory
-    from specrt.runtime.pair import load
 
     with load(pair_dir, device="cpu", draft_model=draft_model) as pair:
         res = pair.generate("Write a Python function is_palindrome(s) that ignores case, spaces and punctuation, "

@@ -2,7 +2,7 @@
 
 Invariant: the last emitted token is not yet in the target's cache; a proposer's next input is the
 part of the committed sequence its cache has not seen. Who drafts and how far is the policy's
-(runtime/policy.py); what a draft is, the proposer's (runtime/proposers.py); the accept test, sampling's.
+(decoding/policy.py); what a draft is, the proposer's (decoding/proposers.py); the accept test, sampling's.
 """
 from __future__ import annotations
 
@@ -14,10 +14,18 @@ import numpy as np
 
 from specrt.config import GenerationConfig
 from specrt.engines.base import Engine
-from specrt.runtime import sampling
-from specrt.runtime.policy import Policy, Round
-from specrt.runtime.prefix import PromptCache
-from specrt.runtime.proposers import NOTHING
+from specrt.decoding import sampling
+from specrt.decoding.policy import Policy, Round
+from specrt.decoding.prefix import PromptCache
+from specrt.decoding.proposers import NOTHING
+
+
+@dataclass(frozen=True)
+class Result:
+    tokens: list[int]  # generated ids, prompt and EOS excluded
+    text: str  # decoded generated text (ends before a stop string)
+    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
+    stats: dict  # see Stats.as_dict
 
 
 @dataclass
@@ -87,7 +95,7 @@ def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationCon
 
     `on_tokens(new)` sees each round's emitted tokens (EOS excluded) and returns True to stop. Only the
     first `vocab` logits are used, which masks padding rows of larger output matrices. `prompt_cache`:
-    what the target's cache kept of earlier prompts (runtime/prefix.py; None: the prompt is read whole).
+    what the target's cache kept of earlier prompts (decoding/prefix.py; None: the prompt is read whole).
     """
     rng, k = np.random.default_rng(cfg.seed), policy.max_k
     stats = Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k, accepted_at=[0] * k,

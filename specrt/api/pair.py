@@ -17,26 +17,23 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from specrt.config import GenerationConfig, SamplingConfig, read_manifest, verify_files
-from specrt.runtime.policy import AutoConfig, CostModel, PolicyState
-from specrt.runtime.proposers import HISTORY_CAP, DraftMemory, History
-from specrt.runtime.prefix import PromptCache
+from specrt.api import memory, requests
+from specrt.api.text import TextCodec, TextStream
+from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig
+from specrt.engines import select
 from specrt.errors import ConfigError, PairError
+from specrt.manifest import read_manifest, verify_files
+from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.decode import Result, Stats, decode
+from specrt.decoding.policy import PolicyConfig, CostModel, PolicyState, build
+from specrt.decoding.prefix import PromptCache
+from specrt.decoding.proposers import DraftMemory, History, model_drafter
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
-
-
-@dataclass(frozen=True)
-class Result:
-    tokens: list[int]  # generated ids, prompt and EOS excluded
-    text: str  # decoded generated text (ends before a stop string)
-    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
-    stats: dict  # see runtime.decode.Stats.as_dict
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -96,7 +93,7 @@ class Pair:
     cancels it at its next round and waits for it to end.
 
     `check_memory`: before loading, estimate what the pair needs (weights, KV caches at max_len,
-    logits, workspace; see `specrt.runtime.memory`) and refuse with a PairError, which names a
+    logits, workspace; see `specrt.api.memory`) and refuse with a PairError, which names a
     max_len that would fit, when the machine does not have it available. The estimate is kept in
     `self.memory`.
 
@@ -108,9 +105,6 @@ class Pair:
     def __init__(self, pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
                  check_memory: bool = True, device: str = "auto", history: bool = True,
                  history_cap: int = HISTORY_CAP, share_prefix: bool = True, draft_model: bool = True):
-        from specrt.runtime import memory
-        from specrt.runtime.text import TextCodec
-
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
             raise ConfigError(f"threads must be an integer >= 1 (or 0/None: onnxruntime's default), got {threads!r}")
         self._lock = threading.Lock()  # held while a generation runs
@@ -124,7 +118,7 @@ class Pair:
         draft = m.draft if draft_model else None  # the draft model's entry, when it is to be loaded
         self.draft_left_out = m.draft is not None and draft is None
         # "cpu", "cuda" or "tensorrt"; device_note says why auto did not take a GPU when the pair is made for one
-        self.device, self.device_note = resolve_device(device, m, self.dir)
+        self.device, self.device_note = select.resolve_device(device, m, self.dir)
         # Before hashing or loading anything: a pair that cannot fit is refused in milliseconds.
         on = "cpu" if self.device == "cpu" else "cuda"
         self.memory = (memory.check_memory(self.dir, m, device=on, draft=draft_model) if check_memory
@@ -140,22 +134,22 @@ class Pair:
             raise PairError(f"{self.dir / 'tokenizer.json'} does not match the manifest: its ids go up to {top - 1}, "
                             f"the pair's vocabulary has {m.vocab_size} ids (replaced tokenizer?); re-export the pair")
         try:
-            self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
-            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
+            self.target = select.open_engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
+            self.draft = select.open_engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
         except PairError as e:
             if not (device == "auto" and self.device == "tensorrt" and m.for_gpu):
                 raise
             self._release()  # auto on a pair whose engines do not load here: its graphs run on CUDA
             self.target = self.draft = None
             self.device, self.device_note = "cuda", f"TensorRT engines not used: {e}; running on onnxruntime's CUDA provider"
-            self.target = _engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
-            self.draft = _engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
+            self.target = select.open_engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
+            self.draft = select.open_engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
-        self.prompt_cache = PromptCache()  # and the target's, in whole prompt chunks (exact: runtime/prefix.py)
+        self.prompt_cache = PromptCache()  # and the target's, in whole prompt chunks (exact: decoding/prefix.py)
         self.share_prefix = share_prefix
         self.tuned = (m.tuned or {}) if use_tuned else {}
-        self.auto_config = AutoConfig()  # the draft-length policy's settings (runtime/policy.py)
+        self.policy_config = PolicyConfig()  # the draft-length policy's settings (decoding/policy.py)
         # what requests learn (pass costs, acceptance, calibration), carried between them
         self.state = PolicyState(history=History(history_cap) if history else None)
         if self.tuned.get("acceptance"):
@@ -188,7 +182,7 @@ class Pair:
         pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
         `draft_window`: the most tokens the draft model reads in one catch-up pass (the prompt, what
         n-gram rounds emitted); further behind, it reads only the last ones (0: no limit). Default:
-        32 on the CPU, no limit on a GPU, alone and as a batch row (runtime.proposers.default_window).
+        32 on the CPU, no limit on a GPU, alone and as a batch row (spec.proposers.default_window).
         """
         cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
                           drafter=drafter, draft_window=draft_window,
@@ -218,7 +212,7 @@ class Pair:
         ids = self.encode(prompt, chat)
         fn = _cancel_fn(cancel)
         self._check_open()
-        self._check_request(ids, cfg)
+        self.check(ids, cfg)
         return Stream(self, ids, cfg, fn)
 
     @property
@@ -230,17 +224,30 @@ class Pair:
 
     @property
     def default_drafter(self) -> str:
-        """The drafter a request gets unless told (see `request_defaults`)."""
-        return request_defaults(self.tuned, self.draft is not None)[0]
+        """The drafter a request gets unless told (api/requests.defaults)."""
+        return requests.defaults(self.manifest, self.tuned, self.draft is not None)[0]
 
-    def config(self, draft_len=None, drafter=None, confidence_stop=None, **kw) -> GenerationConfig:
-        """A GenerationConfig whose unset drafting choices come from `specrt tune` (or the defaults)."""
-        default_drafter, default_len = request_defaults(self.tuned, self.draft is not None)
-        return GenerationConfig(
-            draft_len=default_len if draft_len is None else draft_len,
-            drafter=drafter or default_drafter,
-            confidence_stop=self.tuned.get("confidence_stop", 0.0) if confidence_stop is None else confidence_stop,
-            **kw)
+    def config(self, *, batched: bool = False, prompt: list[int] | None = None, **kw) -> GenerationConfig:
+        """A request's GenerationConfig on this pair (api/requests.resolve: unset drafting choices from
+        `specrt tune` or the defaults; `batched`: as a row of a batch; with `prompt`, checked against the pair)."""
+        return requests.resolve(self.manifest, self.tuned, self.draft is not None, batched=batched, prompt=prompt, **kw)
+
+    def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False) -> None:
+        """Raise ConfigError for a request this pair cannot run (api/requests.check)."""
+        requests.check(self.manifest, prompt, cfg, draft_left_out=self.draft_left_out, batched=batched)
+
+    def batch_engine(self, role: str, batch: int, cache_len: int, max_logits: int):
+        """A ragged engine of `batch` rows with caches of `cache_len` slots over this pair's loaded session of
+        model `role` (the batched decoder's). The target's first refuses a batch whose caches, the draft's
+        included when it is loaded, do not fit in the memory available now."""
+        if role == "target":
+            memory.check_batch(self.manifest, batch, cache_len, getattr(self.target, "device", "cpu"),
+                               self.draft is not None)
+        return select.batch_engine(self.dir, getattr(self, role), cache_len, max_logits, batch)
+
+    def text_stream(self, stop: tuple[str, ...]) -> TextStream:
+        """The text of a request's tokens as they come, cut at its first stop string."""
+        return TextStream(self.codec, stop)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
@@ -312,17 +319,12 @@ class Pair:
         if self._closed:
             self._release()
 
-    def _check_request(self, prompt: list[int], cfg: GenerationConfig) -> None:
-        check_request(self.manifest, prompt, cfg, draft_left_out=self.draft_left_out)
-
     def _run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None,
              cancel: Callable[[], bool] | None) -> Result:
         """One generation; the caller holds the lock."""
-        from specrt.runtime.decode import Stats, decode
-        from specrt.runtime.text import TextStream
 
         m = self.manifest
-        self._check_request(prompt, cfg)
+        self.check(prompt, cfg)
 
         def cancelled_now() -> bool:
             return self._closing.is_set() or (cancel is not None and bool(cancel()))
@@ -361,17 +363,15 @@ class Pair:
         self.last_result = Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
         return self.last_result
 
-    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: AutoConfig | None = None):
-        """The draft-length policy and proposers of a request (runtime/policy.build), learning into `state`
+    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: PolicyConfig | None = None):
+        """The draft-length policy and proposers of a request (decoding/policy.build), learning into `state`
         (default: the Pair's)."""
-        from specrt.runtime.policy import build
-        from specrt.runtime.proposers import model_drafter
 
         model = model_drafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, cfg.draft_window,
                               self.device)
         return build(cfg.draft_len, cfg.drafter, self.manifest.max_draft_len, self.state if state is None else state,
                      model if self.draft is not None else None, cfg.ngram_max,
-                     self.auto_config if config is None else config)
+                     self.policy_config if config is None else config)
 
     def close(self) -> None:
         """Release the sessions and caches. Idempotent.
@@ -482,100 +482,30 @@ class Stream:
         return "".join(self)
 
 
-def tuned_drafter(tuned: dict | None, has_draft: bool) -> str | None:
-    """The drafter `specrt tune` chose, unless it needs a draft model that is not loaded."""
-    chosen = (tuned or {}).get("drafter")
-    return chosen if chosen and (has_draft or chosen not in ("model", "hybrid")) else None
+def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
+                   top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, draft_len: int | None = None,
+                   stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
+                   confidence_stop: float | None = None, totals: dict | None = None) -> list:
+    """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
 
-
-def request_defaults(tuned: dict | None, has_draft: bool) -> tuple[str, int | str]:
-    """(drafter, draft_len) of a request that names neither: what `specrt tune` chose, else hybrid (with
-    draft_len auto the fastest setting measured overall, bench/RESULTS.md), or prompt lookup for a pair
-    without a draft model (`has_draft`: one is loaded), and draft_len auto. `specrt info` shows these."""
-    drafter = tuned_drafter(tuned, has_draft) or ("hybrid" if has_draft else "ngram")
-    return drafter, (tuned or {}).get("draft_len", "auto")
-
-
-def check_request(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False) -> None:
-    """Raise ConfigError for a request the pair (manifest `m`) cannot run: draft length, drafter, cache room.
-    `draft_left_out`: the pair was loaded without its draft model."""
-    k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
-    if k > m.max_draft_len:
-        raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
-                          "(set at export with --max-draft-len)")
-    if k and cfg.drafter in ("model", "hybrid") and (m.draft is None or draft_left_out):
-        what = ("the pair was loaded without its draft model" if m.draft is not None
-                else "this pair has no draft model")
-        raise ConfigError(f"{what}, which drafter {cfg.drafter!r} needs; use drafter 'ngram' or 'suffix', "
-                          "or draft_len 0")
-    if not prompt:
-        raise ConfigError("the prompt is empty")
-    if len(prompt) >= m.max_len:
-        raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
-    if len(prompt) + cfg.max_new_tokens + k + 1 > m.max_len:
-        room = m.max_len - len(prompt) - k - 1
-        fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
-        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
-                          f"exceeds max_len {m.max_len}; {fix}")
-
-
-DEVICES = ("auto", "cpu", "cuda", "tensorrt")
-
-
-def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
-    """The device a pair runs on, and a note when "auto" stays on the CPU although the pair is made for a GPU.
-
-    auto: TensorRT when the pair has engines and TensorRT loads, else onnxruntime's CUDA provider when the
-    graphs can run there (fp16 activations) and a CUDA device is visible, else the CPU. An explicit device
-    that cannot work is a ConfigError/PairError with the reason, never a silent fallback."""
-    from specrt.engines.ort import cuda_available
-
-    if requested not in DEVICES:
-        raise ConfigError(f"unknown device {requested!r}; choose one of {', '.join(DEVICES)}")
-    if requested == "cpu":
-        return "cpu", None
-    if requested == "tensorrt":
-        if not m.engines:
-            raise PairError(f"{pair_dir} has no TensorRT engines; build them with `specrt build-engines {pair_dir}` "
-                            "(an fp16 pair: `specrt export --precision fp16 --engine tensorrt`)")
-        return "tensorrt", None
-    if requested == "auto" and not m.for_gpu and not m.engines:
-        return "cpu", None  # a CPU pair: nothing to look for, nothing to note
-    why = cuda_available()
-    if requested == "cuda":
-        if why:
-            raise PairError(f"cannot run on cuda: {why}")
-        if not m.for_gpu:
-            old = any(e.graph == "contrib" for e in m.entries())
-            raise PairError(f"{pair_dir} was exported for the CPU ("
-                            + ("onnxruntime CPU ops of an older specrt" if old else
-                               "fp32 activations, and GroupQueryAttention has no fp32 CUDA kernel")
-                            + "); export it with --precision fp16, or --precision int4 --activations fp16, for a GPU")
-        return "cuda", None
-    if m.engines and not why:
-        try:
-            import tensorrt  # noqa: F401
-            return "tensorrt", None
-        except ImportError:
-            pass
-    if m.for_gpu and not why:
-        return "cuda", None
-    return "cpu", f"running on the CPU: this pair is made for a GPU, but {why or 'TensorRT is not installed'}"
-
-
-def _engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
-    from specrt.runtime.memory import PREFILL_CHUNK
-
-    entry = getattr(m, role)
-    if device == "tensorrt":
-        from specrt.engines.trt import TrtEngine
-
-        return TrtEngine(pair_dir, entry, role, m, max_logits)
-    from specrt.engines.ort import ort_engine
-
-    # a pass of up to max_draft_len + 1 tokens is decoding (verify widths, draft steps and catch-ups): captured
-    return ort_engine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device,
-                      capture_width=m.max_draft_len + 1, prefill_chunk=PREFILL_CHUNK[device])
+    `seed` is one seed for every prompt (each then gets what `pair.generate(prompt, seed=seed)` gets)
+    or a list with one per prompt. `totals`, if given, receives the batch totals (BatchTotals.as_dict).
+    """
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    sampling_cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    reqs = []
+    with BatchDecoder(pair, batch_size) as dec:
+        for i, (p, s) in enumerate(zip(prompts, seeds)):
+            ids = pair.encode(p, chat)
+            cfg = pair.config(batched=True, prompt=ids, max_new_tokens=max_new_tokens, draft_len=draft_len, seed=s,
+                              stop=tuple(stop), drafter=drafter, confidence_stop=confidence_stop, sampling=sampling_cfg)
+            reqs.append(Request(i, ids, cfg))
+        out = dict(dec.run(reqs))
+        if totals is not None:
+            totals.update(dec.totals.as_dict())
+    return [out[i] for i in range(len(prompts))]
 
 
 def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: bool = True,
@@ -590,7 +520,7 @@ def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: b
     oldest requests dropped first) for the suffix drafter and hybrid to draft from; False: every request
     drafts only from itself (isolation between users).
     `share_prefix`: a request keeps, in both models' caches, what its prompt shares with the previous
-    request's (the target's only in whole chunks, so the answer is a fresh read's, runtime/prefix.py);
+    request's (the target's only in whole chunks, so the answer is a fresh read's, decoding/prefix.py);
     False: every request reads its prompt whole (isolation: its timing then says nothing of the others').
     `draft_model`: False leaves the pair's draft model out (not loaded, not counted; drafters ngram and
     suffix only): the footprint of the target alone.

@@ -1,0 +1,74 @@
+"""What settings a request runs with: the one place that decides a default and checks a request.
+
+Every entry point (`Pair.generate`/`stream`/`run`, the CLI, the server, batch jobs, bench, tune) turns what
+its caller gave into a `GenerationConfig` through `resolve`; `defaults` is the rule for what was not given:
+
+- a request alone: what `specrt tune` stored, else the hybrid drafter (the fastest setting measured
+  overall, bench/RESULTS.md) at draft_len "auto", or prompt lookup (ngram) without a draft model;
+- a row of a batch (`batched=True`): every row of a pass drafts at one fixed length, so the tuned length
+  if it is a number, else min(4, max_draft_len); drafter the tuned one, else the draft model (batches were
+  measured with it), or prompt lookup without one.
+
+`tuned` is the pair's stored `specrt tune` result (Pair.tuned; {} when untuned or loaded with
+use_tuned=False); a tuned drafter that needs a draft model that is not loaded is ignored.
+"""
+from __future__ import annotations
+
+from specrt.config import GenerationConfig, needs_draft_model
+from specrt.errors import ConfigError
+
+
+def tuned_drafter(tuned: dict | None, has_draft: bool) -> str | None:
+    """The drafter `specrt tune` chose, unless it needs a draft model that is not loaded."""
+    chosen = (tuned or {}).get("drafter")
+    return chosen if chosen and (has_draft or not needs_draft_model(chosen)) else None
+
+
+def defaults(m, tuned: dict | None, has_draft: bool, batched: bool = False) -> tuple[str, int | str, float]:
+    """(drafter, draft_len, confidence_stop) of a request that names none of them (see the module's text).
+    `m`: the pair's Manifest; `has_draft`: a draft model is loaded (or, before loading, would be)."""
+    tuned = tuned or {}
+    drafter = tuned_drafter(tuned, has_draft)
+    if batched:
+        k = tuned.get("draft_len")
+        k = min(k, m.max_draft_len) if isinstance(k, int) and not isinstance(k, bool) else min(4, m.max_draft_len)
+        return drafter or ("model" if has_draft else "ngram"), k, tuned.get("confidence_stop", 0.0)
+    return drafter or ("hybrid" if has_draft else "ngram"), tuned.get("draft_len", "auto"), tuned.get("confidence_stop", 0.0)
+
+
+def resolve(m, tuned: dict | None, has_draft: bool, *, batched: bool = False, prompt: list[int] | None = None,
+            draft_len=None, drafter: str | None = None, confidence_stop: float | None = None,
+            **fields) -> GenerationConfig:
+    """The request's GenerationConfig: `fields` as given (GenerationConfig's own checks), the drafting
+    choices it leaves unset (None) from `defaults`; with `prompt`, also checked against the pair (`check`)."""
+    d_drafter, d_len, d_stop = defaults(m, tuned, has_draft, batched)
+    cfg = GenerationConfig(draft_len=d_len if draft_len is None else draft_len, drafter=drafter or d_drafter,
+                           confidence_stop=d_stop if confidence_stop is None else confidence_stop, **fields)
+    if prompt is not None:
+        check(m, prompt, cfg, draft_left_out=not has_draft and m.draft is not None, batched=batched)
+    return cfg
+
+
+def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
+    """Raise ConfigError for a request the pair (manifest `m`) cannot run: draft length, drafter, cache room;
+    a batch row also needs a fixed draft length. `draft_left_out`: the pair was loaded without its draft model."""
+    if batched and cfg.draft_len == "auto":
+        raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
+    k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
+    if k > m.max_draft_len:
+        raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
+                          "(set at export with --max-draft-len)")
+    if needs_draft_model(cfg.drafter, k) and (m.draft is None or draft_left_out):
+        what = ("the pair was loaded without its draft model" if m.draft is not None
+                else "this pair has no draft model")
+        raise ConfigError(f"{what}, which drafter {cfg.drafter!r} needs; use drafter 'ngram' or 'suffix', "
+                          "or draft_len 0")
+    if not prompt:
+        raise ConfigError("the prompt is empty")
+    if len(prompt) >= m.max_len:
+        raise ConfigError(f"the prompt has {len(prompt)} tokens; this pair's max_len is {m.max_len}")
+    if len(prompt) + cfg.max_new_tokens + k + 1 > m.max_len:
+        room = m.max_len - len(prompt) - k - 1
+        fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
+                          f"exceeds max_len {m.max_len}; {fix}")
