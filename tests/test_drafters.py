@@ -45,7 +45,8 @@ def test_ngram_prefers_the_longest_match_over_the_first():
     copy = list(range(100, 130))
     d, n = ng.match(copy + [7] + copy[:20], 4)  # 20 tokens into a copy of the first 30 (16: the default cap)
     assert d.tolist() == copy[20:24] and n == 16
-    assert ng.peek(copy + [7] + copy[:20], 4).tolist() == copy[20:24] and ng.kind == "ngram8" and ng.matched == 16
+    found = ng.find(copy + [7] + copy[:20], 4)
+    assert found.tokens.tolist() == copy[20:24] and found.kind == "ngram8" and found.matched == 16
     assert LookupProposer(max_ngram=5).match(copy + [7] + copy[:20], 4)[1] == 5  # max_ngram caps the match length
 
 
@@ -55,21 +56,22 @@ def test_hybrid_uses_ngram_proposals_only_after_a_two_token_match():
     hy = Fixed(3, [lookup, model])  # hybrid at a fixed draft length
     assert hy.plan([4, 8, 1, 2, 4], 3, 10) == (model, 3)  # only [4] matched
     assert hy.plan([1, 2, 3, 4, 1, 2], 3, 10) == (lookup, 3)  # [1, 2] matched, [3, 4, 1] proposed
-    assert hy.plan([7, 1, 2, 7, 1, 2], 3, 10)[0] is lookup and lookup.kind == "ngram3"
+    assert hy.plan([7, 1, 2, 7, 1, 2], 3, 10)[0] is lookup and lookup.find([7, 1, 2, 7, 1, 2], 3).kind == "ngram3"
 
 
 def test_ngram_proposal_kind_is_the_matched_length():
     """auto keeps one controller per matched length (a 3-token match is right far more often than a
-    1-token one); propose returns what peek found for the same sequence."""
+    1-token one); propose returns what find found for the same sequence, and names its kind."""
     ng = LookupProposer(max_ngram=5)
     cases = [([1, 2, 3, 4, 1, 2], "ngram2"), ([5, 6, 7, 8, 5, 6, 7], "ngram3"), ([1, 2, 3, 9, 1, 2, 3, 9], "ngram3"),
              ([4, 8, 1, 4], "ngram1"), ([1, 2, 3], "ngram")]
     for seq, kind in cases:
-        shown = ng.peek(seq, 4)
-        assert ng.kind == kind and shown is ng.proposal and shown.tolist() == ng.match(seq, 4)[0].tolist(), seq
+        found = ng.find(seq, 4)
+        assert found.kind == kind and found.tokens.tolist() == ng.match(seq, 4)[0].tolist(), seq
         prop = ng.propose(seq, 3, SamplingConfig(), np.random.default_rng(0))
         assert prop.tokens.tolist() == ng.match(seq, 3)[0].tolist() and prop.p_draft is None and prop.passes == 0
-    ng.peek([1, 2, 1], 4)
+        assert ng.kind == kind
+    ng.find([1, 2, 1], 4)
     again = ng.propose([1, 2, 1, 2], 2, SamplingConfig(), np.random.default_rng(0))
     assert again.tokens.tolist() == [1, 2]  # not stale
 

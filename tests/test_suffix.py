@@ -61,12 +61,15 @@ def test_the_index_finds_what_a_brute_force_search_finds(seed):
     p = SuffixProposer(h, max_ngram=max_ngram, min_share=share)
     want, n = brute(docs, seq, k, max_ngram, share)
     own, n_own = LookupProposer(max_ngram).match(seq, k)
-    got = p.peek(seq, k)
+    got = p.find(seq, k)
     if n > n_own and want:  # the history's longer match proposes (where earlier outputs agree enough)
-        assert (got.tolist(), p.matched, p.name) == (want, n, "suffix")
-        assert p.kind == ("suffix8" if n >= 8 else f"suffix{min(n, 3)}")
+        assert (got.tokens.tolist(), got.matched, got.name) == (want, n, "suffix")
+        assert got.kind == ("suffix8" if n >= 8 else f"suffix{min(n, 3)}")
     else:  # else what prompt lookup proposes
-        assert (got.tolist(), p.matched, p.name) == (own.tolist(), n_own, "ngram")
+        assert (got.tokens.tolist(), got.matched, got.name) == (own.tolist(), n_own, "ngram")
+    assert (p.name, p.kind) == ("ngram", "ngram")  # a query: the proposer's last proposal is still none
+    p.propose(seq, k, SamplingConfig(), np.random.default_rng(0))
+    assert (p.name, p.kind) == (got.name, got.kind)
 
 
 def test_the_history_drafts_only_where_earlier_outputs_agree_enough():
@@ -74,12 +77,13 @@ def test_the_history_drafts_only_where_earlier_outputs_agree_enough():
     for d in ([1, 2, 3, 9, 4], [1, 2, 3, 8, 4], [1, 2, 3, 9, 5]):
         h.add(d)
     seq = [7, 1, 2, 3]
-    assert SuffixProposer(h, min_share=0.0).peek(seq, 3).tolist() == [9, 5]  # 9 after 2 of 3; then a tie, the latest
-    p = SuffixProposer(h, min_share=0.6)
-    assert p.peek(seq, 3).tolist() == [9] and p.name == "suffix"  # 1 of 2 agree on what follows 9
+    assert SuffixProposer(h, min_share=0.0).find(seq, 3).tokens.tolist() == [9, 5]  # 9 after 2 of 3; a tie, the latest
+    found = SuffixProposer(h, min_share=0.6).find(seq, 3)
+    assert found.tokens.tolist() == [9] and found.name == "suffix"  # 1 of 2 agree on what follows 9
     p = SuffixProposer(h, min_share=0.7)
-    assert p.peek(seq, 3).tolist() == [] and p.name == "ngram"  # the request's own lookup (nothing here)
-    assert p.peek([1, 2, 3, 6, 1, 2, 3], 2).tolist() == [6, 1]  # ... which proposes when it has a match
+    found = p.find(seq, 3)
+    assert found.tokens.tolist() == [] and found.name == "ngram"  # the request's own lookup (nothing here)
+    assert p.find([1, 2, 3, 6, 1, 2, 3], 2).tokens.tolist() == [6, 1]  # ... which proposes when it has a match
 
 
 def test_the_history_keeps_at_most_its_cap_dropping_the_oldest_requests():

@@ -32,7 +32,8 @@ import numpy as np
 
 from specrt.config import needs_draft_model
 from specrt.decoding import sampling
-from specrt.decoding.proposers import History, LookupProposer, ModelProposer, Proposal, Proposer, SuffixProposer
+from specrt.decoding.proposers import (Found, History, LookupProposer, ModelProposer, Proposal, Proposer,
+                                       SuffixProposer)
 
 
 @dataclass(frozen=True)
@@ -355,8 +356,8 @@ class Fixed(_Base):
         if limit <= 0:
             return None, 0
         if self.lookup is not None:
-            shown = self.lookup.peek(seq, limit)
-            if self.model is None or (len(shown) >= min(self.c.min_len, limit) and self.lookup.matched >= self.c.min_match):
+            found = self.lookup.find(seq, limit)
+            if self.model is None or (len(found.tokens) >= min(self.c.min_len, limit) and found.matched >= self.c.min_match):
                 return self.lookup, limit
         return self.model, limit
 
@@ -380,7 +381,8 @@ class Auto(_Base):
         self.autos: dict[str, Controller] = {}
         self.predicted_tokens = self.predicted_s = 0.0
         self.calib = self.state.calibration if self.c.calibration and self.model is not None else None
-        self._plan: tuple[Proposer | None, Controller | None, bool] = (None, None, False)
+        # this round's (proposer, controller, whether planned, what the lookup found)
+        self._plan: tuple[Proposer | None, Controller | None, bool, Found | None] = (None, None, False, None)
 
     def controller(self, kind: str) -> Controller | None:
         """The kind's controller, made on first use from what earlier requests learned (a kind not seen
@@ -395,13 +397,15 @@ class Auto(_Base):
         return self.autos[kind]
 
     def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
-        self._plan = (None, None, False)
+        self._plan = (None, None, False, None)
         if limit <= 0:
             return None, 0
-        src = self.model
-        if self.lookup is not None and (len(self.lookup.peek(seq, limit)) or self.model is None):
-            src = self.lookup
-        auto = self.controller(src.kind)
+        src, found = self.model, None
+        if self.lookup is not None:
+            found = self.lookup.find(seq, limit)
+            if len(found.tokens) or self.model is None:
+                src = self.lookup
+        auto = self.controller(found.kind if src is self.lookup else src.kind)
         model_auto = self.controller(self.model.kind) if self.hybrid else None
         if self.hybrid and src is self.lookup and self.c.switch:
             # Leaving a caught-up model for a lookup round costs it a catch-up pass when it drafts again
@@ -419,23 +423,23 @@ class Auto(_Base):
                 k = auto.choose(limit, src.behind(seq), left)
             else:  # a round without the model counts to its next probe
                 model_auto.wait()
-        self._plan = (src, auto, True)
+        self._plan = (src, auto, True, found)
         return src, k
 
     def observe(self, r: Round) -> None:
         super().observe(r)
-        src, auto, planned = self._plan
+        src, auto, planned, found = self._plan
         if auto is not None:  # what the controller expected of this round
             self.predicted_tokens += auto.expected_tokens(r.k)
             self.predicted_s += auto.cost(r.k)
         scored = None
-        if planned and self.c.shadow and self.lookup is not None and self.lookup.matched:
+        if planned and self.c.shadow and found is not None and found.matched:
             # The lookup proposal is scored in full against what the target emitted, whether this round
             # verified all, part or none of it: a point-mass token is accepted exactly when the target's
             # token equals it (greedy), or with p_target(token). So positions past k are measured too.
-            shown, new = self.lookup.proposal, r.new
+            shown, new = found.tokens, r.new
             m = next((i for i, (a, b) in enumerate(zip(shown, new)) if a != b), min(len(shown), len(new)))
-            scored = self.controller(self.lookup.kind)
+            scored = self.controller(found.kind)
             scored.observe(m if m == len(new) else min(len(shown), m + 1), m)
         if auto is not None and auto is not scored:
             auto.observe(r.k, r.accepted)

@@ -35,17 +35,28 @@ class Proposal:
 
 
 NOTHING = Proposal(np.empty(0, np.int64))
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a proposer that needs no pass (a lookup) would propose for a sequence."""
+
+    tokens: np.ndarray  # up to k tokens (empty: nothing to propose)
+    matched: int  # length of the suffix of the sequence they continue (0: no match)
+    kind: str  # the estimate auto learns it under: "ngram1".."ngram8", "suffix1".."suffix8"; "ngram": nothing
+    name: str  # "ngram" | "suffix": what the stats count its rounds by
 Steps = Generator[list[int], np.ndarray, Proposal]  # yields a pass's tokens, is sent its logits row [W]
 
 
 class Proposer(Protocol):
-    name: str  # "model" | "ngram": what the stats count rounds by
-    kind: str  # what its acceptance is learned under (auto keeps one estimate per kind)
+    name: str  # of its last proposal: "model" | "ngram" | "suffix", what the stats count rounds by
+    kind: str  # of its last proposal: what its acceptance is learned under (auto keeps one estimate per kind)
     free: bool  # proposing costs (next to) nothing: no model pass
 
     def start(self, prompt: list[int]) -> None: ...
-    def peek(self, seq: list[int], k: int) -> np.ndarray | None:
-        """What it would propose, when that is known without a pass (None: not known); sets `kind`."""
+    def find(self, seq: list[int], k: int) -> Found | None:
+        """What it would propose, when that is known without a pass (None: not known). A query: it changes
+        nothing but what `propose` may reuse for the same sequence."""
     def behind(self, seq: list[int]) -> int:
         """Tokens its next proposal reads before it can draft (what a catch-up costs)."""
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
@@ -134,7 +145,7 @@ class ModelProposer:
         self.off = 0  # the position in the sequence of the token the first cache slot holds
         self.fresh = True  # not drafted yet in this request: its first pass reads the prompt (up to `window`)
 
-    def peek(self, seq: list[int], k: int) -> None:
+    def find(self, seq: list[int], k: int) -> None:
         return None
 
     def behind(self, seq: list[int]) -> int:
@@ -220,7 +231,7 @@ class LookupProposer:
 
     How often a proposal is right depends mostly on how long a suffix it matched (greedy outputs of the
     1.5B target on 15 prompts: the first token is accepted 21% of the time after a 1-token match, 46%
-    after 2, ~80% after 3-7 and 84-95% after 8 or more), so `peek` names each proposal's kind by that
+    after 2, ~80% after 3-7 and 84-95% after 8 or more), so `find` names each proposal's kind by that
     length ("ngram1", "ngram2", "ngram3" = 3-7, "ngram8" = 8 or more) and auto keeps one estimate per
     kind: a long copy gets long drafts. Among equally long matches the first wins: in an edit the first
     occurrence is mostly the source being copied (the prompt's code), later ones coincidental repeats.
@@ -231,22 +242,23 @@ class LookupProposer:
 
     def __init__(self, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True):
         self.max_ngram, self.min_ngram, self.kinds = max_ngram, min_ngram, kinds
-        self.kind = "ngram"  # of the last peek: ngram1 / ngram2 / ngram3 / ngram8, or ngram when nothing matched
-        self.matched = 0  # suffix length the last peek matched (0: none)
-        self.proposal = np.empty(0, np.int64)  # what the last peek found
-        self._at = (-1, 0)  # (len(seq), k) of the last peek
+        self.name = self.kind = "ngram"  # of the last proposal
+        self._found, self._at = None, (-1, 0)  # the last `find` and its (len(seq), k), which `propose` reuses
 
     def start(self, prompt: list[int]) -> None:
-        self._at, self.proposal, self.matched, self.kind = (-1, 0), np.empty(0, np.int64), 0, "ngram"
+        self.name = self.kind = "ngram"
+        self._found, self._at = None, (-1, 0)
 
     def behind(self, seq: list[int]) -> int:
         return 0
 
-    def peek(self, seq: list[int], k: int) -> np.ndarray:
-        self.proposal, self.matched = self.match(seq, k)
-        self._at = (len(seq), k)
-        self.kind = self._kind("ngram", self.matched)
-        return self.proposal
+    def find(self, seq: list[int], k: int) -> Found:
+        self._found, self._at = self._search(seq, k), (len(seq), k)
+        return self._found
+
+    def _search(self, seq: list[int], k: int) -> Found:
+        tokens, n = self.match(seq, k)
+        return Found(tokens, n, self._kind("ngram", n), "ngram")
 
     def _kind(self, family: str, n: int) -> str:
         """The kind of a proposal that continues an n-token match ("ngram" alone: nothing matched)."""
@@ -258,9 +270,12 @@ class LookupProposer:
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
                 confidence_stop: float = 0.0) -> Proposal:
-        if not (self._at[0] == len(seq) and self._at[1] >= k):  # not what the last peek found
-            self.peek(seq, k)
-        return Proposal(self.proposal[:k])
+        if self._found is not None and self._at[0] == len(seq) and self._at[1] >= k:  # what the last find found
+            found = self._found
+        else:
+            found = self.find(seq, k)
+        self.name, self.kind = found.name, found.kind
+        return Proposal(found.tokens[:k])
 
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
               confidence_stop: float = 0.0) -> Steps:
@@ -365,23 +380,12 @@ class SuffixProposer(LookupProposer):
                  min_share: float = 0.5):
         super().__init__(max_ngram, min_ngram, kinds)
         self.history, self.min_share = history, min_share
-        self.name = "ngram"  # of the last peek: "suffix" when the history proposed
 
-    def start(self, prompt: list[int]) -> None:
-        super().start(prompt)
-        self.name = "ngram"
-
-    def peek(self, seq: list[int], k: int) -> np.ndarray:
+    def _search(self, seq: list[int], k: int) -> Found:
         own, n_own = self.match(seq, k)
-        arr = np.asarray(seq, np.int64)
-        ends, n = longest_suffix(self.history.buf, arr, self.max_ngram)
-        self._at = (len(seq), k)
+        ends, n = longest_suffix(self.history.buf, np.asarray(seq, np.int64), self.max_ngram)
         if n > n_own and n >= self.min_ngram:
-            self.proposal = frequent_continuation(self.history.buf, ends, k, self.min_share)
-            self.matched, self.name = n, "suffix"
-            self.kind = self._kind("suffix", n)
-            if len(self.proposal):
-                return self.proposal
-        self.proposal, self.matched, self.name = own, n_own, "ngram"
-        self.kind = self._kind("ngram", n_own)
-        return self.proposal
+            tokens = frequent_continuation(self.history.buf, ends, k, self.min_share)
+            if len(tokens):
+                return Found(tokens, n, self._kind("suffix", n), "suffix")
+        return Found(own, n_own, self._kind("ngram", n_own), "ngram")
