@@ -2,6 +2,7 @@
 they are. The pair folder's schema is manifest.py."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from specrt.errors import ConfigError
@@ -20,8 +21,6 @@ def needs_draft_model(drafter: str | None, draft_len: int | str | None = None) -
 
 
 def _is_int(v) -> bool:
-    import numbers
-
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 

@@ -2,11 +2,12 @@
 at run time), reading and writing it, and checking its files."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from specrt.errors import PairError
 
@@ -127,8 +128,6 @@ class Manifest:
 
 def _keys(cls, d, where: str) -> None:
     """PairError naming the first key `d` lacks (or has that `cls` does not know)."""
-    import dataclasses
-
     if not isinstance(d, dict):
         raise PairError(f"{where} must be an object")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -142,8 +141,6 @@ def _keys(cls, d, where: str) -> None:
 
 def _inside(name, where: str) -> str:
     """`name`, a path the manifest gives relative to the pair folder, if it stays inside that folder."""
-    from pathlib import PurePosixPath
-
     if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
         raise PairError(f"{where}: {name!r} is not a file name inside the pair folder")
     p = PurePosixPath(name)

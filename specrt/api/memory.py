@@ -27,6 +27,7 @@ is skipped.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,7 +196,6 @@ def gpu_free_bytes(device_id: int = 0) -> int | None:
     env = _env_bytes(ENV_GPU_AVAILABLE)
     if env is not None:
         return env
-    import ctypes
 
     lib = _libcuda()
     dev, ctx = ctypes.c_int(0), ctypes.c_void_p()

@@ -4,6 +4,7 @@ and file sizes; `measure` also loads the pair and generates once.
 """
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 from specrt.api import memory, requests
@@ -168,8 +169,6 @@ def measure(pair_dir: Path, max_new_tokens: int = 128, draft_model: bool = True)
     """Load the pair on the CPU and run one greedy generation of a built-in chat prompt: this process's peak
     resident memory afterwards, beside the estimate for the same number of cache positions.
     `draft_model=False`: the target alone, drafting by prompt lookup."""
-    import resource
-
     with load(pair_dir, device="cpu", draft_model=draft_model) as pair:
         res = pair.generate("Write a Python function is_palindrome(s) that ignores case, spaces and punctuation, "
                             "with a short docstring.", chat=True, max_new_tokens=max_new_tokens, draft_len=2,

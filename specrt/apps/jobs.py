@@ -33,8 +33,10 @@ import collections
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -661,9 +663,6 @@ def _ray_start(address: str, init: dict | None):
     """Import Ray and start a local instance ("local") or join a cluster. Returns (the ray module,
     whether this job connected it and so shuts it down at the end). A process already connected to
     Ray (a notebook, a test) keeps its connection: the job runs there and leaves it on."""
-    import logging
-    import socket
-
     try:
         import ray
     except ImportError:

@@ -18,6 +18,8 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
 from specrt import __version__
 from specrt.errors import ConfigError
 from specrt.decoding.policy import Controller, CostModel
@@ -187,8 +189,6 @@ def _speed(bench: dict):
     ax.margins(x=0.15)
     ax.set_title(f"fastest: {label(best)}" + (" (red)" if best["draft_len"] != 0 else ""))
     if with_classes:
-        import numpy as np
-
         ax = axes[0][1]
         grid = np.array([[r["speedup_by_class"][c] for c in classes] for r in rows])
         span = max(abs(grid - 1).max(), 0.05)
@@ -282,7 +282,6 @@ def _costs(costs: dict, even: list[dict], bench: dict | None, max_k: int):
 
 def _prompts(points: dict):
     plt = _pyplot()
-    import numpy as np
 
     names = list(points)
     classes = sorted({p["class"] for v in points.values() for p in v})

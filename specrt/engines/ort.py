@@ -18,6 +18,7 @@ Per call only the token ids and lengths go to the device and only the requested 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -494,8 +495,6 @@ class _CudaGraphs:
         try:
             e.session.run_with_iobinding(bufs["io"], _run_options(self.ids[key]))
         except Exception as ex:  # noqa: BLE001 - capture refused at run time: run uncaptured from now on
-            import warnings
-
             e.note = f"CUDA graphs are off for {e.entry.path}: onnxruntime could not capture a pass ({_first_line(ex)})"
             warnings.warn(e.note, RuntimeWarning, stacklevel=3)
             e._graphs = None

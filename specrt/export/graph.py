@@ -42,6 +42,8 @@ float types only (engines/trt.py checks a graph against its operator table).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -203,8 +205,6 @@ def export_portable(hf_model, out_path, max_len: int = 4096, output_ids=None, op
     """Trace the portable graph of `hf_model` to `out_path` (external data for large models).
     Positions must stay below `max_len` (the size of the rotary tables). Consumes `hf_model`.
     `output_ids`: logits only for these token ids (a restricted draft vocabulary)."""
-    import warnings
-
     wrapper = PortableDecoder(hf_model, max_len, output_ids).eval()
     dtype = next(hf_model.parameters()).dtype
     L, Hkv, D = wrapper.num_layers, wrapper.num_kv_heads, wrapper.head_dim
@@ -376,8 +376,6 @@ def lean_io_names(num_layers: int, query_seqlens: bool = True) -> tuple[list[str
 def export_lean(hf_model, out_path, max_positions: int, output_ids=None, query_seqlens: bool = True,
                 opset: int = 18) -> LeanDecoder:
     """Trace the lean graph of `hf_model` to `out_path` (external data for large models). Consumes `hf_model`."""
-    import warnings
-
     import onnx
 
     wrapper = LeanDecoder(hf_model, max_positions, output_ids, query_seqlens).eval()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +73,6 @@ def load_config(src: Source):
 
 def save_tokenizer(src: Source, out: Path) -> Path:
     """Write tokenizer.json and tokenizer_config.json of `src` into `out`; return tokenizer.json."""
-    import shutil
-
     out.mkdir(parents=True, exist_ok=True)
     if src.kind == "hf" and (src.folder / "tokenizer.json").is_file():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):

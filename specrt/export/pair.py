@@ -8,10 +8,14 @@ from __future__ import annotations
 import gc
 import glob
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import numpy as np
 
 from specrt.engines import trt
 from specrt.errors import ExportError
@@ -321,7 +325,6 @@ def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always,
 def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None, progress: Progress = QUIET) -> ModelEntry:
     """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked.
     `output_ids`: keep only these rows of the output matrix (a restricted draft vocabulary)."""
-    import numpy as np
     import onnx
 
     from specrt.export import graph  # torch (the export extra): imported when a model is exported
@@ -406,8 +409,6 @@ def _save(proto, path: Path) -> None:
 def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: bool = True,
                   progress: Progress = QUIET) -> dict:
     """Weight-only int4 (onnxruntime's MatMulNBits) for every MatMul with a constant weight."""
-    import logging
-
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
@@ -448,7 +449,6 @@ SLICE_ROWS = 32768
 def slice_wide_matmuls(model, rows: int = SLICE_ROWS) -> int:
     """Split every MatMulNBits of `model` (a ModelProto, edited in place) with more than `rows` output columns
     into slices of `rows` joined by a Concat on the last axis; returns how many were split."""
-    import numpy as np
     from onnx import helper, numpy_helper
 
     if rows % 64:
@@ -495,8 +495,6 @@ def quantize_blocks(table, bits: int, block_size: int):
     """Asymmetric weight-only quantization of a [V, H] table along H in blocks: (data, scales, zero_points)
     as com.microsoft GatherBlockQuantized (and MatMulNBits) read them, two 4-bit values a byte low nibble
     first. Scales keep the table's float type."""
-    import numpy as np
-
     V, H = table.shape
     top = (1 << bits) - 1
     blocks = table.astype(np.float32).reshape(V, H // block_size, block_size)
@@ -547,7 +545,6 @@ def weight_bytes(proto, folder: Path) -> dict:
     """How onnxruntime's CPU provider holds this graph's weights (measured on the int4 and fp32 pairs:
     api/memory.py): MatMul/MatMulNBits weights are prepacked, i.e. copied into memory at load; the
     embedding tables stay in the memory-mapped file and a pass touches only its tokens' rows."""
-    import numpy as np
     import onnx
 
     size = {t.name: int(np.prod(t.dims, dtype=np.int64)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
@@ -584,8 +581,6 @@ def _relative(entry: ModelEntry, sub: str) -> ModelEntry:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("specrt")
     except PackageNotFoundError:

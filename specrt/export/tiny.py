@@ -8,6 +8,7 @@ many tokens but not all: speculative decoding shows partial acceptance, as with 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 CORPUS = [
@@ -127,6 +128,4 @@ def make_tiny_pair(out, model_type: str = "qwen2", target_layers: int = 4, draft
 
 
 if __name__ == "__main__":
-    import sys
-
     print(*make_tiny_pair(sys.argv[1] if len(sys.argv) > 1 else "tiny-pair"))
