@@ -7,12 +7,16 @@ its caller gave into a `GenerationConfig` through `resolve`; `defaults` is the r
   overall, bench/RESULTS.md) at draft_len "auto", or prompt lookup (ngram) without a draft model;
 - a row of a batch (`batched=True`): every row of a pass drafts at one fixed length, so the tuned length
   if it is a number, else min(4, max_draft_len); drafter the tuned one, else the draft model (batches were
-  measured with it), or prompt lookup without one.
+  measured with it), or prompt lookup without one;
+- a server's request resolved to run alone but run as a batch row (`as_batch_row`): its "auto" becomes
+  the server's batch draft length.
 
 `tuned` is the pair's stored `specrt tune` result (Pair.tuned; {} when untuned or loaded with
 use_tuned=False); a tuned drafter that needs a draft model that is not loaded is ignored.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from specrt.config import GenerationConfig, needs_draft_model
 from specrt.errors import ConfigError
@@ -47,6 +51,12 @@ def resolve(m, tuned: dict | None, has_draft: bool, *, batched: bool = False, pr
     if prompt is not None:
         check(m, prompt, cfg, draft_left_out=not has_draft and m.draft is not None, batched=batched)
     return cfg
+
+
+def as_batch_row(cfg: GenerationConfig, batch_draft_len: int) -> GenerationConfig:
+    """A request resolved to run alone, run as a row of a batch instead (the server, when several wait):
+    draft_len "auto" becomes `batch_draft_len`, since the rows of a pass share one fixed length."""
+    return replace(cfg, draft_len=batch_draft_len) if cfg.draft_len == "auto" else cfg
 
 
 def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:

@@ -16,9 +16,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+from specrt.api.requests import as_batch_row
 from specrt.config import GenerationConfig
 from specrt.errors import ConfigError, SpecrtError
 from specrt.decoding.batch import WAIT, BatchDecoder, Request
@@ -158,9 +159,7 @@ class Scheduler:
                     yield WAIT
                     continue
                 job.batched, jobs[id(job)] = True, job
-                cfg = job.cfg
-                k = self.batch_draft_len if cfg.draft_len == "auto" else cfg.draft_len
-                yield Request(id(job), job.prompt, replace(cfg, draft_len=k), job.deliver,
+                yield Request(id(job), job.prompt, as_batch_row(job.cfg, self.batch_draft_len), job.deliver,
                               self._stop_fn(job))
                 job = None
 
