@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 import specrt
-from specrt.config import GenerationConfig
 from specrt.apps.bench import read_prompts
+from specrt.config import GenerationConfig
 from specrt.decoding.policy import PolicyConfig, CostModel, PolicyState
 from specrt.decoding.proposers import History
 

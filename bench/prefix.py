@@ -19,8 +19,8 @@ import statistics
 import sys
 
 import specrt
-from specrt.config import GenerationConfig
 from specrt.apps.bench import read_prompts
+from specrt.config import GenerationConfig
 from specrt.decoding.proposers import History
 
 

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joint, sequence_index
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.errors import ConfigError
 from specrt.decoding.decode import decode
 from specrt.decoding.policy import Auto, PolicyConfig, Calibration, Controller, CostModel, Fixed, PolicyState
 from specrt.decoding.proposers import History, LookupProposer, ModelProposer
+from specrt.errors import ConfigError
 
 
 def config(**kw) -> PolicyConfig:

@@ -11,12 +11,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from specrt.api.pair import generate_batch
+from specrt.api.requests import check
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.errors import ConfigError
 from specrt.decoding.batch import BatchDecoder, Request, Rows
 from specrt.engines.select import batch_engine
-from specrt.api.requests import check
-from specrt.api.pair import generate_batch
+from specrt.errors import ConfigError
 
 TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
 ID_PROMPTS = [[5], [40, 41, 42, 43], list(range(3, 60))]

@@ -23,8 +23,8 @@ from _helpers import WORDS, copy_pair, export
 from specrt.cli import main
 from specrt.cli.check import check
 from specrt.cli.info import info
-from specrt.manifest import sha256_file
 from specrt.errors import ConfigError, ExportError, FetchError, PairError, SpecrtError
+from specrt.manifest import sha256_file
 
 COMMANDS = {"main": main, "info": info, "check": check}
 MEM = "SPECRT_MEM_AVAILABLE_BYTES"

@@ -9,11 +9,11 @@ import pytest
 from _helpers import (EOS_ID, P_MIN, FakeEngine, chi2_pvalue, copy_pair, entropy, fake_exact_joint,
                       sequence_index)
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.engines.ort import ort_engine
 from specrt.decoding.decode import decode
 from specrt.decoding.policy import Fixed
 from specrt.decoding.proposers import ModelProposer
 from specrt.decoding.sampling import warp
+from specrt.engines.ort import ort_engine
 
 TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
 ID_PROMPTS = [[5], [40, 41, 42, 43], list(range(3, 60)), [0, 1, 2, 300, 319]]

@@ -8,11 +8,11 @@ import pytest
 from click.testing import CliRunner
 
 from _helpers import WORDS, FrozenCosts, copy_pair, export
-from specrt.manifest import read_manifest, sha256_file
 from specrt.engines.ort import ort_engine
 from specrt.errors import ExportError, PairError
 from specrt.export.pair import ExportConfig
 from specrt.export.vocab import select_ids
+from specrt.manifest import read_manifest, sha256_file
 
 PROMPTS = ["def add(a, b):", "hello world", "for i in range(10):"]
 

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.errors import ConfigError
 from specrt.decoding.decode import decode
 from specrt.decoding.policy import Auto, PolicyConfig, Fixed, PolicyState
 from specrt.decoding.proposers import LookupProposer, ModelProposer
+from specrt.errors import ConfigError
 
 REPETITIVE = ["def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
               "def fib(n):\n    a, b", list(range(3, 30)) * 2 + [3, 4], [40, 41, 42, 43]]

@@ -8,10 +8,10 @@ import pytest
 from click.testing import CliRunner
 
 import specrt
-from specrt.cli import main
-from specrt.manifest import read_manifest
-from specrt.errors import ConfigError
 from specrt.api import memory
+from specrt.cli import main
+from specrt.errors import ConfigError
+from specrt.manifest import read_manifest
 
 ENV = memory.ENV_AVAILABLE
 

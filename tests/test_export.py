@@ -10,11 +10,11 @@ import pytest
 
 import specrt
 from _helpers import WORDS, copy_pair, export
-from specrt.manifest import FORMAT_NAME, FORMAT_VERSION, LEAN_KV_LAYOUT, read_manifest, sha256_file
 from specrt.engines.ort import gqa_has_query_seqlens
 from specrt.errors import ConfigError, ExportError, PairError
 from specrt.export.graph import lean_io_names
 from specrt.export.pair import ExportConfig
+from specrt.manifest import FORMAT_NAME, FORMAT_VERSION, LEAN_KV_LAYOUT, read_manifest, sha256_file
 
 
 def _partials(parent: Path) -> list[Path]:

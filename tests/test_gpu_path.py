@@ -16,12 +16,12 @@ from click.testing import CliRunner
 import specrt
 from _helpers import export
 from specrt.cli import main
-from specrt.manifest import read_manifest
 from specrt.engines import trt
-from specrt.export import trt_build
 from specrt.engines.ort import kv_offset
 from specrt.errors import ConfigError, ExportError, PairError
+from specrt.export import trt_build
 from specrt.export.pair import ExportConfig
+from specrt.manifest import read_manifest
 
 
 def _onnx_domains(path):

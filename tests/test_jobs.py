@@ -12,8 +12,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from specrt.cli.batch import batch
 from specrt.apps.jobs import record_seed
+from specrt.cli.batch import batch
 
 COUNTS = ("target_passes", "draft_passes", "rounds", "proposed", "accepted", "new_tokens")
 

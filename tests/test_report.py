@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 import specrt
+from specrt.apps.report import break_even
 from specrt.cli import main
 from specrt.decoding.policy import Controller, CostModel
-from specrt.apps.report import break_even
 
 from _helpers import copy_pair
 

@@ -6,8 +6,8 @@ import pytest
 
 from _helpers import P_MIN, binom_pvalue, chi2_pvalue
 from specrt.config import SamplingConfig
-from specrt.errors import ConfigError
 from specrt.decoding.sampling import accept_greedy, accept_sample, draw, warp
+from specrt.errors import ConfigError
 
 
 # ---------------------------------------------------------------- warp

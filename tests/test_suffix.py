@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 
 import specrt
-from specrt.config import GenerationConfig, SamplingConfig
-from specrt.errors import ConfigError
 from specrt.api.pair import generate_batch
+from specrt.config import GenerationConfig, SamplingConfig
 from specrt.decoding.decode import decode
 from specrt.decoding.policy import Fixed
 from specrt.decoding.proposers import History, LookupProposer, SuffixProposer
+from specrt.errors import ConfigError
 
 from _helpers import P_MIN, FakeEngine, chi2_pvalue, fake_exact_joint, sequence_index
 

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from scipy import stats
 
 from _helpers import copy_pair
+from specrt.apps import check as chk
 from specrt.cli.check import check
 from specrt.cli.info import info
-from specrt.apps import check as chk
 
 
 def run(cmd, *args):

@@ -6,9 +6,9 @@ import json
 import pytest
 
 import specrt
-from specrt.manifest import read_manifest
-from specrt.errors import ConfigError, PairError
 from specrt.api import memory
+from specrt.errors import ConfigError, PairError
+from specrt.manifest import read_manifest
 
 ENV = memory.ENV_AVAILABLE
 

@@ -24,14 +24,14 @@ import numpy as np
 from specrt.api import memory, requests
 from specrt.api.text import TextCodec, TextStream
 from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig
+from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.decode import Result, Stats, decode
+from specrt.decoding.policy import CostModel, PolicyConfig, PolicyState, build
+from specrt.decoding.prefix import PromptCache
+from specrt.decoding.proposers import DraftMemory, History, model_drafter
 from specrt.engines import select
 from specrt.errors import ConfigError, PairError
 from specrt.manifest import read_manifest, verify_files
-from specrt.decoding.batch import BatchDecoder, Request
-from specrt.decoding.decode import Result, Stats, decode
-from specrt.decoding.policy import PolicyConfig, CostModel, PolicyState, build
-from specrt.decoding.prefix import PromptCache
-from specrt.decoding.proposers import DraftMemory, History, model_drafter
 
 FINISH_REASONS = ("eos", "length", "stop", "cancelled")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.config import SamplingConfig
-from specrt.errors import ConfigError
 from specrt.decoding.batch import BatchDecoder, Request
 from specrt.decoding.proposers import History
+from specrt.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ import numpy as np
 
 from specrt.apps.bench import Prompt
 from specrt.config import GenerationConfig, SamplingConfig
+from specrt.decoding.sampling import warp
 from specrt.errors import ConfigError
 from specrt.manifest import ModelEntry
-from specrt.decoding.sampling import warp
 
 P_MIN = 1e-4  # the statistical test fails below this p-value (about 1 false alarm in 10,000 runs)
 MIN_EXPECTED = 5.0  # chi-square bins are merged until each expects at least this many samples

@@ -47,10 +47,10 @@ from specrt.api import requests
 from specrt.api.pair import load
 from specrt.api.text import TextCodec
 from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig, needs_draft_model
-from specrt.errors import ConfigError, SpecrtError
-from specrt.manifest import read_manifest, sha256_file
 from specrt.decoding.batch import BatchDecoder, Request
 from specrt.decoding.proposers import History
+from specrt.errors import ConfigError, SpecrtError
+from specrt.manifest import read_manifest, sha256_file
 
 JOB_FORMAT = "specrt-batch-job"
 JOB_VERSION = 1

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from specrt import __version__
-from specrt.errors import ConfigError
 from specrt.decoding.policy import Controller, CostModel
+from specrt.errors import ConfigError
 
 FILES = ("index.html", "report.json", "speed.png", "acceptance.png", "costs.png", "prompts.png", "batch.png")
 LOOKUP = ("ngram", "suffix")  # drafters whose proposals cost no model pass

@@ -52,12 +52,12 @@ from typing import Any
 import numpy as np
 
 from specrt.config import GenerationConfig
-from specrt.errors import ConfigError
 from specrt.decoding import sampling
 from specrt.decoding.decode import Result, Stats, emit
 from specrt.decoding.policy import PolicyState, Round, build
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING, ModelProposer, Proposal, model_drafter
+from specrt.errors import ConfigError
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
 # What a request iterator yields for "none now, ask again next round" (a server's queue being empty):

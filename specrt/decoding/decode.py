@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from specrt.config import GenerationConfig
-from specrt.engines.base import Engine
 from specrt.decoding import sampling
 from specrt.decoding.policy import Policy, Round
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING
+from specrt.engines.base import Engine
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from typing import Protocol
 import numpy as np
 
 from specrt.config import HISTORY_CAP, SamplingConfig
+from specrt.decoding import sampling
 from specrt.engines.base import Engine
 from specrt.errors import ConfigError
-from specrt.decoding import sampling
 
 
 @dataclass(frozen=True)

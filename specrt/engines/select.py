@@ -46,7 +46,7 @@ def resolve_device(requested: str, m, pair_dir) -> tuple[str, str | None]:
         return "cuda", None
     if m.engines and not why:
         try:
-            import tensorrt  # noqa: F401
+            import tensorrt  # noqa: F401 - optional (NVIDIA's): does it load here
             return "tensorrt", None
         except ImportError:
             pass
@@ -62,7 +62,7 @@ def open_engine(pair_dir, m, role: str, max_logits: int, threads, device: str):
         return trt.TrtEngine(pair_dir, entry, role, m, max_logits)
     # a pass of up to max_draft_len + 1 tokens is decoding (verify widths, draft steps and catch-ups): captured
     return ort.ort_engine(pair_dir, entry, m.max_len, max_logits, threads=threads, device=device,
-                      capture_width=m.max_draft_len + 1, prefill_chunk=PREFILL_CHUNK[device])
+                          capture_width=m.max_draft_len + 1, prefill_chunk=PREFILL_CHUNK[device])
 
 
 def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
@@ -74,5 +74,5 @@ def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
         raise ConfigError(f"batched decoding runs on the lean onnxruntime graph, and {where}; "
                           "re-export the pair with this specrt (without --engine tensorrt), or use --batch-size 1")
     return ort.LeanEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session,
-                      device=base.device, device_id=base.device_id, cuda_graph=base.captures,
-                      capture_width=base.capture_width, prefill_chunk=base.prefill_chunk)
+                          device=base.device, device_id=base.device_id, cuda_graph=base.captures,
+                          capture_width=base.capture_width, prefill_chunk=base.prefill_chunk)

@@ -21,8 +21,8 @@ from typing import Any
 
 from specrt.api.requests import as_batch_row
 from specrt.config import GenerationConfig
-from specrt.errors import ConfigError, SpecrtError
 from specrt.decoding.batch import WAIT, BatchDecoder, Request
+from specrt.errors import ConfigError, SpecrtError
 
 log = logging.getLogger("specrt.serve")
 
