@@ -59,9 +59,9 @@ def as_batch_row(cfg: GenerationConfig, batch_draft_len: int) -> GenerationConfi
     return replace(cfg, draft_len=batch_draft_len) if cfg.draft_len == "auto" else cfg
 
 
-def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
-    """Raise ConfigError for a request the pair (manifest `m`) cannot run: draft length, drafter, cache room;
-    a batch row also needs a fixed draft length. `draft_left_out`: the pair was loaded without its draft model."""
+def check_settings(m, cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
+    """Raise ConfigError for settings the pair cannot run whatever the prompt: a draft length above its
+    max_draft_len ("auto" as a batch row), a drafter that needs a draft model it lacks."""
     if batched and cfg.draft_len == "auto":
         raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
     k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
@@ -73,6 +73,13 @@ def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = Fa
                 else "this pair has no draft model")
         raise ConfigError(f"{what}, which drafter {cfg.drafter!r} needs; use drafter 'ngram' or 'suffix', "
                           "or draft_len 0")
+
+
+def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
+    """Raise ConfigError for a request the pair (manifest `m`) cannot run: its settings (`check_settings`),
+    then its prompt and the cache room. `draft_left_out`: the pair was loaded without its draft model."""
+    check_settings(m, cfg, draft_left_out, batched)
+    k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
     if not prompt:
         raise ConfigError("the prompt is empty")
     if len(prompt) >= m.max_len:

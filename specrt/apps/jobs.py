@@ -104,15 +104,8 @@ def resolve_settings(m, s: JobSettings) -> JobSettings:
     k = k if s.draft_len is None else s.draft_len
     out = replace(s, drafter=s.drafter or drafter, draft_len=k,
                   confidence_stop=cs if s.confidence_stop is None else s.confidence_stop)
-    drafter = out.drafter
     # Checks of the job-wide settings: a ConfigError before anything runs.
-    _config(out, {}, 0)
-    if k != "auto" and k > m.max_draft_len:
-        raise ConfigError(f"draft_len {k} is above this pair's max_draft_len {m.max_draft_len} "
-                          "(set at export with --max-draft-len)")
-    if needs_draft_model(drafter, k) and m.draft is None:
-        raise ConfigError(f"this pair has no draft model, which drafter {drafter!r} needs; "
-                          "use drafter 'ngram' or draft_len 0")
+    requests.check_settings(m, _config(out, {}, 0))
     return out
 
 
