@@ -6,6 +6,8 @@
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
+#include <cstring>
+
 namespace specrt {
 
 // The traits both paths use: 4 columns a vector, sums in 32-bit lanes.
