@@ -278,6 +278,20 @@ def test_the_build_without_a_compiler_installs_and_says_why(tmp_path):
 
 # ---------------------------------------------------------------- the Arm path, cross-built, under qemu-user
 
+CXX = shutil.which("g++")
+
+
+@pytest.mark.skipif(not (CXX and platform.machine() in ("x86_64", "AMD64")), reason="needs g++ on x86-64")
+def test_the_ceiling_tool_builds(tmp_path):
+    """bench/ceiling.cc (docs/kernel.md's AVX2 ceiling) still builds against the kernel's sources as its
+    header says; running it only times this machine, so it is not run here."""
+    kernels = ROOT / "specrt" / "engines" / "kernels"
+    sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc")]
+    r = subprocess.run([CXX, "-std=c++17", "-O3", "-ffp-contract=off", f"-I{kernels}", str(ROOT / "bench" / "ceiling.cc"),
+                        *map(str, sources), "-o", str(tmp_path / "ceiling")], capture_output=True, text=True)
+    assert r.returncode == 0 and (tmp_path / "ceiling").exists(), r.stderr
+
+
 ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
 
 
