@@ -4,7 +4,7 @@
         [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] VARIANT=OVERRIDES ...
 
 A variant is a name and comma-separated overrides of GenerationConfig fields (draft_len, drafter,
-draft_window, confidence_stop, ngram_max, ...) and spec.policy.PolicyConfig fields (calibration,
+draft_window, confidence_stop, ngram_max, ...) and decoding.policy.PolicyConfig fields (calibration,
 widen_every, ...), e.g. `model_auto=draft_len=auto,drafter=model` and
 `no_widen=draft_len=auto,drafter=model,widen_every=0`. A variant "none" (target-only) is always run.
 

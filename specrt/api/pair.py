@@ -146,7 +146,7 @@ class Pair:
             self.draft = select.open_engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if draft else None
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
-        self.prompt_cache = PromptCache()  # and the target's, in whole prompt chunks (exact: decoding/prefix.py)
+        self.prompt_cache = PromptCache()  # and the target's, where that is exact (decoding/prefix.py)
         self.share_prefix = share_prefix
         self.tuned = (m.tuned or {}) if use_tuned else {}
         self.policy_config = PolicyConfig()  # the draft-length policy's settings (decoding/policy.py)
@@ -520,7 +520,7 @@ def load(pair_dir, threads: int | None = None, verify: bool = True, use_tuned: b
     oldest requests dropped first) for the suffix drafter and hybrid to draft from; False: every request
     drafts only from itself (isolation between users).
     `share_prefix`: a request keeps, in both models' caches, what its prompt shares with the previous
-    request's (the target's only in whole chunks, so the answer is a fresh read's, decoding/prefix.py);
+    request's (the target's where that is exact, so the answer is a fresh read's, decoding/prefix.py);
     False: every request reads its prompt whole (isolation: its timing then says nothing of the others').
     `draft_model`: False leaves the pair's draft model out (not loaded, not counted; drafters ngram and
     suffix only): the footprint of the target alone.

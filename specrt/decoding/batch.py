@@ -20,8 +20,8 @@ copied or compacted; the C - max_len spare slots are room for a padded pass at a
 
 *Refill.* A new request's prompt is prefilled by batch-1 passes over its own row of the batch caches
 (`LeanEngine.row`): the passes a lone run makes, with the same inputs, so its first token is the lone
-run's, and nothing else is computed or copied. A row keeps the whole prompt chunks it shares with the
-previous request it ran (a job's shared instruction), exactly as a lone run keeps them (decoding/prefix.py).
+run's, and nothing else is computed or copied. A row keeps what its prompt shares with the previous
+request it ran (a job's shared instruction), exactly as a lone run keeps it (decoding/prefix.py).
 
 *onnxruntime before 1.32* has no GroupQueryAttention `query_seqlens`: one call then cannot give
 several rows several tokens each, and the engine runs such passes (verifies, catch-ups) one row at a
@@ -115,9 +115,9 @@ class Rows:
         return int(self.e.lengths[r])
 
     def prefill(self, r: int, prompt: list[int]) -> tuple[np.ndarray, int]:
-        """Row r := `prompt`, read by batch-1 passes over the row as a lone run reads it (the whole chunks it
-        shares with the row's previous prompt kept, decoding/prefix.py); returns (the last position's logits
-        [W], the prompt tokens kept)."""
+        """Row r := `prompt`, read by batch-1 passes over the row as a lone run reads it (what it shares with
+        the row's previous prompt kept as a lone run keeps it, decoding/prefix.py); returns (the last
+        position's logits [W], the prompt tokens kept)."""
         return self.prompts[r].read(self.e.row(r), prompt)
 
     def reset(self) -> None:

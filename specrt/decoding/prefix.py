@@ -3,17 +3,22 @@
 A new request often starts with what the previous one started with: a batch job's shared instruction,
 a chat template's system part, the earlier turns of a conversation. Reading those tokens again is most
 of a short request's prompt time on the CPU. Reusing the cache entries is only safe if they are the
-very entries a fresh read of the new prompt computes: int4 weights at accuracy level 4 round a row
-differently depending on the shape of the pass that computed it (on this CPU a pass of odd width
-rounds its last row apart from the rest), so entries written by other passes (decoding, a prompt split
-elsewhere) would make the same prompt answer differently depending on what ran before.
+very entries a fresh read of the new prompt computes.
 
-So the prompt is always read the same way: in passes of `chunk` tokens from position 0 (what the
-engine does with a wide call, `Engine.prefill_chunk`), and only whole chunks of an earlier prompt are
-kept. A new prompt reuses the whole chunks it shares and reads the rest in the same passes a fresh read
-makes, from the same inputs: its cache and logits are bit for bit those of a fresh read, whatever came
-before, so greedy and seeded output never depend on the order of requests. An engine that reads a wide
-call in one pass (`prefill_chunk` None) reuses nothing.
+On an engine whose rows are exact (`row_exact`: specrt's CPU kernels on every matmul and attention node,
+engines/int4.py), a row's entries do not depend on the passes that wrote them, so every token of the
+prefix the new prompt shares with the previous one is kept, and the rest is read.
+
+Elsewhere, int4 weights at accuracy level 4 round a row differently depending on the shape of the pass
+that computed it (a pass of odd width rounds its last row apart from the rest), so entries written by
+other passes (decoding, a prompt split elsewhere) would make the same prompt answer differently
+depending on what ran before. So the prompt is always read the same way: in passes of `chunk` tokens
+from position 0 (what the engine does with a wide call, `Engine.prefill_chunk`), and only whole chunks of
+an earlier prompt are kept; the rest is read in the same passes a fresh read makes, from the same inputs.
+
+Either way a request's cache and logits are bit for bit those of a fresh read, whatever came before, so
+greedy and seeded output never depend on the order of requests. An engine that reads a wide call in one
+pass (`prefill_chunk` None) and is not exact reuses nothing.
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ from specrt.engines.base import Engine
 
 
 class PromptCache:
-    """The tokens whose entries in one engine's cache (one row's, in a batch) came from whole prompt
-    chunks: slots below `len(tokens)` hold them, as a fresh read of `tokens` computes them."""
+    """The tokens whose entries in one engine's cache (one row's, in a batch) came from a prompt's read (whole
+    chunks of it, unless the engine is exact): slots below `len(tokens)` hold them, as a fresh read of
+    `tokens` computes them."""
 
     def __init__(self):
         self.tokens: list[int] = []
@@ -38,8 +44,9 @@ class PromptCache:
         self.tokens = self.tokens[:n]
 
     def reusable(self, prompt: list[int], chunk: int | None, intact: int | None = None) -> int:
-        """Slots a read of `prompt` can keep: whole chunks of the prefix it shares, its last token always read
-        (its logits give the first token), none at or past `intact` (the lowest slot written since)."""
+        """Slots a read of `prompt` can keep: whole chunks of the prefix it shares (chunk 1: all of it), its
+        last token always read (its logits give the first token), none at or past `intact` (the lowest slot
+        written since)."""
         if not chunk:
             return 0
         n = min(len(self.tokens), len(prompt) - 1, len(self.tokens) if intact is None else intact)
@@ -52,7 +59,8 @@ class PromptCache:
     def read(self, engine: Engine, prompt: list[int]) -> tuple[np.ndarray, int]:
         """Put `prompt` in the engine's cache (batch 1, or a row view) and return (the last position's logits
         [W], how many prompt tokens came from the cache)."""
-        chunk = getattr(engine, "prefill_chunk", None)
+        # what is kept comes in units of this many tokens: 1 where any passes write a fresh read's entries
+        chunk = 1 if getattr(engine, "row_exact", False) else getattr(engine, "prefill_chunk", None)
         keep = self.reusable(prompt, chunk, int(engine.lowest_write[0]) if chunk else None)
         self.tokens = []  # until the read is complete, nothing in the slots is certain
         if keep > engine.length:

@@ -20,6 +20,9 @@ class Engine(Protocol):
     # A wider forward runs in passes of this many tokens from its first one (None: one pass). Optional;
     # what lets a prompt prefix be reused exactly (decoding/prefix.py).
     prefill_chunk: int | None
+    # Optional (False when absent): a row's numbers never depend on the pass around it, so slots written by
+    # any passes over the same tokens hold what a fresh read computes (decoding/prefix.py keeps any prefix).
+    row_exact: bool
 
     def forward(self, tokens: np.ndarray, logit_positions: np.ndarray) -> np.ndarray:
         """tokens [B, S] int64 -> logits [B, N, V] float32 for the N requested positions of S."""

@@ -185,7 +185,8 @@ class _Base:
     def __init__(self, pair_dir, entry: ModelEntry, max_len: int, max_logits: int, batch: int = 1,
                  threads: int | None = None, spinning: bool = True, session=None, device: str = "cpu",
                  device_id: int = 0, cuda_graph: bool = True, capture_width: int = 16,
-                 prefill_chunk: int | None = None, buffers: tuple[list, list, list, list] | None = None):
+                 prefill_chunk: int | None = None, buffers: tuple[list, list, list, list] | None = None,
+                 kernel=None):
         """`max_len`: slots per row. `max_logits`: logits rows per row a call may ask for.
         `session`: an already loaded InferenceSession of this graph (another engine's), so that engines of
         other batch sizes, each with its own KV buffers, share one copy of the weights.
@@ -196,9 +197,9 @@ class _Base:
         token: the activations' memory, which onnxruntime's arena keeps, is that of a chunk, and a prompt is
         always read in the same passes (what lets its prefix be reused exactly, decoding/prefix.py).
         `buffers`: (keys, values, key pointers, value pointers) of another engine of this graph to work in
-        instead of caches of its own (a row view)."""
+        instead of caches of its own (a row view). `kernel`: with `session`, what computes its int4 matmuls."""
         self.note = None  # why CUDA graphs are off, when they were asked for and refused
-        self.kernel = None  # engines/int4.Kernel: what computes the int4 matmuls on the CPU
+        self.kernel = kernel  # engines/int4.Kernel: what computes the int4 matmuls on the CPU
         # whether the session captures CUDA graphs (a shared session: whether the one it came from does)
         self.captures = cuda_graph and device == "cuda" and entry.graph == "lean"
         if session is None:
@@ -230,6 +231,12 @@ class _Base:
         self._logits = np.empty(batch * max_logits * entry.logits_width, np.float32)
         self._io = self.session.io_binding()
         self.capture_width, self.prefill_chunk = capture_width, prefill_chunk
+
+    @property
+    def row_exact(self) -> bool:
+        """Whether a row's numbers never depend on the pass around it (its width, where it starts, the other
+        rows): every matmul and attention node is specrt's (engines/int4.Kernel.invariant)."""
+        return self.kernel is not None and self.kernel.invariant
 
     def _check(self, P: int, S: int, N: int) -> None:
         if P + S > self.max_len:
@@ -436,7 +443,7 @@ class _RowView(LeanEngine):
         super().__init__(None, batch.entry, batch.max_len, batch._max_logits, 1, session=batch.session,
                          device=batch.device, device_id=batch.device_id, cuda_graph=False,
                          capture_width=batch.capture_width, prefill_chunk=batch.prefill_chunk,
-                         buffers=(batch.keys, batch.values, batch._key_ptrs, batch._value_ptrs))
+                         buffers=(batch.keys, batch.values, batch._key_ptrs, batch._value_ptrs), kernel=batch.kernel)
         self.lengths = batch.lengths[r:r + 1]
         self.lowest_write = batch.lowest_write[r:r + 1]
         self._offset = batch._offset + r * batch._row_bytes

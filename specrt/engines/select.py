@@ -75,4 +75,4 @@ def batch_engine(pair_dir, base, cache_len: int, max_logits: int, batch: int):
                           "re-export the pair with this specrt (without --engine tensorrt), or use --batch-size 1")
     return ort.LeanEngine(pair_dir, base.entry, cache_len, max_logits, batch=batch, session=base.session,
                           device=base.device, device_id=base.device_id, cuda_graph=base.captures,
-                          capture_width=base.capture_width, prefill_chunk=base.prefill_chunk)
+                          capture_width=base.capture_width, prefill_chunk=base.prefill_chunk, kernel=base.kernel)
