@@ -174,3 +174,28 @@ def test_batch_rows_keep_their_previous_prompt_exactly(request, which, B):
     cached = [out[i].stats["prompt_cached"] for i in range(len(prompts))]
     kept = C + 6 if pair.target.row_exact else C  # all the prompts share, or its whole chunk
     assert cached[:B] == [0] * B and all(n == kept for n in cached[B:])  # each row kept its last prompt's
+
+
+@pytest.mark.parametrize("draft_len", [0, 3])
+@pytest.mark.parametrize("which", ["qwen_pair", "int4_default_pair"])
+def test_a_conversations_next_turn_keeps_the_answer_on_exact_rows(request, which, draft_len):
+    """A chat's next prompt repeats the previous prompt and answer: with exact rows the slots decoding wrote
+    (verified drafts included) are a fresh read's, so they are kept too, and the next answer is the one a
+    fresh read gives; elsewhere only the previous prompt's whole chunks are."""
+    pair = request.getfixturevalue(which)
+    C, exact = pair.target.prefill_chunk, pair.target.row_exact
+    first, _, _ = _prompts(pair, shared=C + 9, seed=5)
+    cfg = GenerationConfig(max_new_tokens=12, draft_len=draft_len, drafter="model")
+    pair.forget_caches()
+    answer = pair.run(first, cfg).tokens
+    turn = first + answer + [7, 8, 9]
+    pair.forget_caches()
+    fresh = pair.run(turn, cfg)
+    pair.forget_caches()
+    pair.run(first, cfg)
+    again = pair.run(turn, cfg)
+    if exact:  # the answer's last token may have been emitted without being fed: then its slot is empty
+        assert len(first) + len(answer) - 1 <= again.stats["prompt_cached"] <= len(first) + len(answer)
+    else:
+        assert again.stats["prompt_cached"] == len(first) // C * C
+    assert again.tokens == fresh.tokens

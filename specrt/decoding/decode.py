@@ -136,6 +136,8 @@ def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationCon
         r = Round(proposer, k, draft, n, new, logits, draft_s=t1 - t0, verify_s=t2 - t1)
         policy.observe(r)
         stats.count(r)
+    if prompt_cache is not None:
+        prompt_cache.extend(target, seq)  # what decoding wrote, where that is exact
     stats.new_tokens, stats.wall_s = len(out), time.perf_counter() - start
     for name, value in policy.finish(len(out)).items():
         setattr(stats, name, value)

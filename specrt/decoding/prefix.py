@@ -71,3 +71,13 @@ class PromptCache:
             self.tokens = list(prompt[:len(prompt) // chunk * chunk])
             engine.lowest_write[:] = engine.max_len  # from here on, any pass below len(tokens) is someone else's
         return logits, keep
+
+    def extend(self, engine: Engine, seq: list[int]) -> None:
+        """After a generation that read its prompt through this cache and decoded `seq` (prompt + output): on
+        an exact engine the slots decoding wrote hold a fresh read's entries too, so the tokens in them count
+        (a conversation's next turn keeps the previous answer); elsewhere nothing changes."""
+        if not getattr(engine, "row_exact", False) or int(engine.lowest_write[0]) < len(self.tokens):
+            return  # decoding's entries are not a fresh read's, or someone else wrote below the prompt
+        if seq[:len(self.tokens)] == self.tokens:
+            self.tokens = list(seq[:min(int(engine.length), len(seq))])
+            engine.lowest_write[:] = engine.max_len
