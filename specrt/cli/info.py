@@ -87,6 +87,9 @@ def format_info(d: dict) -> str:
         lines.append(f"           graph {graph.get(e['graph'], e['graph'])}")
         if e.get("int4_kernel"):
             lines.append(f"           kernels on the CPU: {e['int4_kernel']['describe']}")
+            if role == "target" and e["int4_kernel"].get("invariant"):  # what exact rows buy (docs/kernel.md)
+                lines.append("           rows exact: a token's logits are the same in any pass; a request keeps "
+                             "every token it shares with the previous one")
     mem = d["memory"]
     per = sum(mem["kv_bytes_per_token"].values())
     lines.append(f"memory:    about {fmt(mem['total'])} to load (estimate)")
