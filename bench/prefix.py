@@ -8,10 +8,11 @@ back to back in rotating order: "kept" with the target's cache holding what the 
 it (decoding/prefix.py: what they share, in whole chunks unless the engine's rows are exact), "read" with
 it emptied first, and on an exact engine "chunks": only the whole chunks they share kept (the rule for
 onnxruntime's kernels), to price what keeping all of it adds. Each (setting, mode) drafts from its own
-history of outputs, as a job running only it would. Prints, per setting: job tokens/s in each mode, kept against read, the median time to first token,
-prompt tokens kept, and how many greedy outputs differ between the modes (a fixed length, or exact rows:
-must be 0; auto's draft lengths follow measured timings, and with onnxruntime's int4 kernel a verify
-pass of another width can round a near-tie the other way, so there a few may).
+history of outputs, as a job running only it would. Prints, per setting: job tokens/s in each mode, kept
+against read, the median time to first token, prompt tokens kept, and how many greedy outputs differ
+between kept and read (a fixed length, or exact rows: must be 0; auto's draft lengths follow measured
+timings, and with onnxruntime's int4 kernel a verify pass of another width can round a near-tie the
+other way, so there a few may).
 """
 import argparse
 import json
