@@ -5,9 +5,17 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from specrt.decoding.policy import CostModel
+from specrt.engines import int4
+
+# Tests of what specrt's own kernels give (exact rows) skip where onnxruntime's run instead: the library is
+# not built, the CPU has no SIMD path for it, or SPECRT_INT4_KERNEL=off.
+KERNELS_RUN = int4.unavailable() is None and int4.setting() != "off"
+needs_kernels = pytest.mark.skipif(not KERNELS_RUN, reason="specrt's kernels do not run here: "
+                                   f"{int4.unavailable() or 'SPECRT_INT4_KERNEL=off'}")
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]  # + 3 specials = 11 ids
 EOS_ID = 2  # "<|im_end|>" in every tiny tokenizer

@@ -18,6 +18,8 @@ from specrt.decoding.batch import BatchDecoder, Request, Rows
 from specrt.engines.select import batch_engine
 from specrt.errors import ConfigError
 
+from _helpers import needs_kernels
+
 TEXT_PROMPTS = ["def quicksort(xs):", "class Stack:\n    def push(self, x):", "The quick brown", "x"]
 ID_PROMPTS = [[5], [40, 41, 42, 43], list(range(3, 60))]
 PROMPTS = TEXT_PROMPTS + ID_PROMPTS  # 7 prompts: more than any batch size here, so slots are refilled
@@ -280,6 +282,7 @@ def test_batch_that_does_not_fit_in_memory_is_refused(qwen_pair, monkeypatch):
     BatchDecoder(qwen_pair, 3).close()
 
 
+@needs_kernels
 @pytest.mark.parametrize("k", [0, 3])
 def test_int4_default_level_batch_equals_alone(int4_default_pair, k):
     """int4 at accuracy level 4 (int8 activations) through specrt's kernel, whose rows never depend on the

@@ -10,6 +10,8 @@ from click.testing import CliRunner
 import specrt
 from specrt.cli import main
 
+from _helpers import needs_kernels
+
 STATS_KEYS = {"target_passes", "draft_passes", "proposed", "accepted", "acceptance_rate", "accepted_per_position",
               "tokens_per_target_pass", "ttft_s", "tokens_per_s", "wall_s"}
 SUMMARY = re.compile(r"^\[(\d+) tokens, [\d.]+ tok/s, draft_len (\d+), acceptance \d+%, [\d.]+ tokens/target pass, "
@@ -167,16 +169,13 @@ def test_bad_input_exits_2_without_patching_click(tmp_path):
 
 
 
+@needs_kernels
 def test_info_says_when_the_targets_rows_are_exact(int4_default_dir, qwen_dir):
     """specrt's kernels on every matmul and attention node: the target's rows are exact, and info says what
     that buys; the fp32 pair's float MatMuls are onnxruntime's, so it says nothing of the kind."""
-    from specrt.engines import int4
-
     r = invoke("info", int4_default_dir)
     assert r.exit_code == 0, r.output
     exact = "rows exact: a token's logits are the same in any pass"
-    if int4.unavailable() or int4.setting() == "off":
-        pytest.skip(f"specrt's kernels do not run here: {int4.unavailable() or 'SPECRT_INT4_KERNEL=off'}")
     assert r.output.count(exact) == 1  # the target's line only
     r = invoke("info", qwen_dir)
     assert r.exit_code == 0 and exact not in r.output, r.output

@@ -11,11 +11,7 @@ import pytest
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.decoding.batch import BatchDecoder, Request
 from specrt.decoding.prefix import PromptCache
-from specrt.engines import int4
-
-# specrt's kernels take the int4 pair's nodes here (else onnxruntime's: the library is not built, no SIMD
-# path, or SPECRT_INT4_KERNEL=off)
-KERNELS = int4.unavailable() is None and int4.setting() != "off"
+from _helpers import KERNELS_RUN, needs_kernels
 
 
 def _prompts(pair, shared: int, tails=(7, 11, 4), seed=0) -> list[list[int]]:
@@ -48,7 +44,7 @@ def test_a_kept_prefix_reads_like_a_fresh_read(request, which, monkeypatch):
     pair = request.getfixturevalue(which)
     e, C = pair.target, pair.target.prefill_chunk
     # the fp32 pair's float MatMuls are onnxruntime's: whole chunks; the int4 pair runs specrt's kernels
-    assert e.row_exact == (which == "int4_default_pair" and KERNELS), e.kernel
+    assert e.row_exact == (which == "int4_default_pair" and KERNELS_RUN), e.kernel
     a, b, _ = _prompts(pair, shared=2 * C + 5)
     cache = PromptCache()
     with pair.exclusive():
@@ -84,7 +80,7 @@ def _whole_and_split(pair, split: int):
     return out
 
 
-@pytest.mark.skipif(not KERNELS, reason=f"specrt's kernels do not run here: {int4.unavailable() or 'SPECRT_INT4_KERNEL=off'}")
+@needs_kernels
 @pytest.mark.parametrize("split", [1, 2, 33, 45])
 def test_specrts_kernels_read_a_prompt_the_same_in_any_passes(int4_default_pair, split):
     """With specrt's kernels (engines/int4.py: every matmul and attention node) a row's numbers do not depend
