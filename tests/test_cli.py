@@ -178,4 +178,12 @@ def test_info_says_when_the_targets_rows_are_exact(int4_default_dir, qwen_dir):
     exact = "rows exact: a token's logits are the same in any pass"
     assert r.output.count(exact) == 1  # the target's line only
     r = invoke("info", qwen_dir)
-    assert r.exit_code == 0 and exact not in r.output, r.output
+    assert r.exit_code == 0 and exact not in r.output and "kernels are off" not in r.output, r.output
+
+
+def test_info_says_what_is_lost_without_specrts_kernels(int4_default_dir, monkeypatch):
+    monkeypatch.setenv("SPECRT_INT4_KERNEL", "off")
+    r = invoke("info", int4_default_dir)
+    assert r.exit_code == 0, r.output
+    assert "SPECRT_INT4_KERNEL=off" in r.output and "rows exact" not in r.output
+    assert r.output.count("specrt's kernels are off") == 1 and "only up to near-ties" in r.output

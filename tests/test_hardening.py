@@ -331,10 +331,9 @@ def test_seeded_sampling_alone_equals_batched_on_long_prompts(qwen_pair, qwen_di
 
 # ---------------------------------------------------------------------------------------------- the server
 
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
+import fastapi  # noqa: E402,F401  (the serve extra)
+import httpx  # noqa: E402
+import openai  # noqa: E402
 from test_server import Server  # noqa: E402
 
 

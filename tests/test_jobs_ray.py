@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]' or specrt[ray])")
+import ray
 
 from specrt.apps.jobs import JobError, JobSettings, run_job  # noqa: E402
 

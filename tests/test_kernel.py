@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import runpy
 import shutil
 import subprocess
 import sys
@@ -278,41 +279,134 @@ def test_the_build_without_a_compiler_installs_and_says_why(tmp_path):
     assert not list((tmp_path / "lib").rglob("_int4*.so"))
 
 
-# ---------------------------------------------------------------- the Arm path, cross-built, under qemu-user
+# ---------------------------------------------------------------- other compilers, other machines
 
-CXX = shutil.which("g++")
+KERNELS = ROOT / "specrt" / "engines" / "kernels"
+SOURCES = runpy.run_path(str(KERNELS / "sources.py"))
+CXX, CLANG = shutil.which("g++"), shutil.which("clang++")
+ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+X86 = platform.machine() in ("x86_64", "AMD64")
 
 
-@pytest.mark.skipif(not (CXX and platform.machine() in ("x86_64", "AMD64")), reason="needs g++ on x86-64")
+def build_program(cxx: list[str], machine: str, main: Path, out: Path, link: list[str] = ()) -> Path:
+    """`main` linked with the kernel's sources (all but the onnxruntime operator), each compiled by `cxx` with
+    the flags setup.py gives it on `machine` (kernels/sources.py)."""
+    objects = []
+    for name in SOURCES["SOURCES"]:
+        if name == "ort_op.cc":
+            continue
+        obj = out / f"{name}.o"
+        r = subprocess.run([*cxx, *SOURCES["FLAGS"], *SOURCES["flags_for"](name, machine), "-c", str(KERNELS / name),
+                            "-o", str(obj)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(cxx)} {name}:\n{r.stderr[-3000:]}"
+        objects.append(str(obj))
+    exe = out / main.stem
+    r = subprocess.run([*cxx, "-std=c++17", "-O2", f"-I{KERNELS}", *link, str(main), *objects, "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+@pytest.mark.skipif(not (CXX and X86), reason="needs g++ on x86-64")
 def test_the_ceiling_tool_builds(tmp_path):
     """bench/ceiling.cc (docs/kernel.md's AVX2 ceiling) still builds against the kernel's sources as its
     header says; running it only times this machine, so it is not run here."""
-    kernels = ROOT / "specrt" / "engines" / "kernels"
-    sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc")]
-    r = subprocess.run([CXX, "-std=c++17", "-O3", "-ffp-contract=off", f"-I{kernels}", str(ROOT / "bench" / "ceiling.cc"),
-                        *map(str, sources), "-o", str(tmp_path / "ceiling")], capture_output=True, text=True)
-    assert r.returncode == 0 and (tmp_path / "ceiling").exists(), r.stderr
+    assert build_program([CXX], "x86_64", ROOT / "bench" / "ceiling.cc", tmp_path).exists()
 
 
-ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+ARM_COMPILERS = [pytest.param(["aarch64-linux-gnu-g++"], id="gcc"),
+                 pytest.param(["clang++", "--target=aarch64-linux-gnu"], id="clang",
+                              marks=pytest.mark.skipif(not CLANG, reason="needs Debian's clang (apt-get install clang)"))]
 
 
 @pytest.mark.skipif(not (ARM_CXX and QEMU), reason="needs Debian's g++-aarch64-linux-gnu and qemu-user "
                                                     "(apt-get install g++-aarch64-linux-gnu qemu-user)")
+@pytest.mark.parametrize("cxx", ARM_COMPILERS)
 @pytest.mark.parametrize("cpu,paths", [("max", "neon-i8mm,neon-dotprod,scalar"), ("cortex-a76", "neon-dotprod,scalar"),
                                        ("cortex-a72", "scalar")])
-def test_the_arm_paths_under_qemu(tmp_path, cpu, paths):
-    kernels = ROOT / "specrt" / "engines" / "kernels"
-    sources = [kernels / f for f in ("int4.cc", "int4_x86.cc", "int4_arm.cc", "int4_none.cc", "attention.cc")]
-    exe = tmp_path / "int4_check"
-    subprocess.run([ARM_CXX, "-O2", "-std=c++17", "-ffp-contract=off", "-static", "-o", str(exe),
-                    str(ROOT / "tests" / "native" / "int4_check.cc"), *map(str, sources)], check=True)
+def test_the_arm_paths_under_qemu(tmp_path, cxx, cpu, paths):
+    """Built as setup.py builds it on Arm, by GCC and by clang: each CPU gets the paths it has, every path the
+    reference's bits."""
+    exe = build_program(cxx, "aarch64", ROOT / "tests" / "native" / "int4_check.cc", tmp_path, ["-static"])
     r = subprocess.run([QEMU, "-cpu", cpu, str(exe)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
     # a Cortex-A76 has the dot-product instructions but not i8mm, an A72 neither: only the reference
     assert f"paths: {paths}" in r.stdout
     if int4.library() is not None:  # the attention gives the same bits on Arm as here
         assert f"attention {_attention_hash():016x}" in r.stdout
+
+
+@built
+@pytest.mark.skipif(not (CLANG and shutil.which("clang")), reason="needs Debian's clang (apt-get install clang)")
+def test_clang_builds_the_library_that_gcc_builds(tmp_path):
+    """setup.py with clang: the library builds, offers the same paths, and computes the same bits (matmul on
+    every path, attention) as the installed build; onnxruntime loads its operators."""
+    env = {**os.environ, "CC": "clang", "CXX": "clang++"}
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "not built" not in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+    lib = next((tmp_path / "lib").rglob("_int4*.so"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    got = subprocess.run([sys.executable, str(probe)], env={**os.environ, int4.LIBRARY_ENV: str(lib)},
+                         capture_output=True, text=True, timeout=300)
+    want = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0 and want.returncode == 0, got.stderr[-3000:] + want.stderr[-3000:]
+    assert got.stdout == want.stdout and "paths " in got.stdout and "session ok" in got.stdout, (got.stdout, want.stdout)
+
+
+@built
+def test_a_wrong_index_into_onnxruntimes_api_is_refused_in_one_line(tmp_path):
+    """ort_api.h names onnxruntime's functions by their index in its table: a library built with a wrong one
+    (GetDimensionsCount at GetTensorShapeElementCount's index) refuses to load, saying so in one line."""
+    env = {**os.environ, "SPECRT_CXXFLAGS": "-DSPECRT_ORT_DIMENSIONS_COUNT=64"}
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                        "--build-temp", str(tmp_path / "tmp")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "not built" not in r.stdout + r.stderr, r.stderr[-3000:]
+    lib = next((tmp_path / "lib").rglob("_int4*.so"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"""
+import sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import numpy as np
+from pathlib import Path
+from test_kernel import _matmulnbits, _session, weights
+from specrt.errors import PairError
+B, s, z, b = weights(np.random.default_rng(0), 128, 16, 128)
+try:
+    _session(_matmulnbits(Path({str(tmp_path)!r}) / "m.onnx", 128, 16, 128, B, s, z), "auto")
+except PairError as e:
+    print("refused:", e)
+""")
+    out = subprocess.run([sys.executable, str(probe)], env={**os.environ, int4.LIBRARY_ENV: str(lib)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip()
+    assert line.startswith("refused: specrt's kernel library does not match onnxruntime") and "\n" not in line, line
+    assert "GetDimensionsCount" in line and "SPECRT_INT4_KERNEL=off" in line
+
+
+# What a build computes, printed for comparison with another build (SPECRT_INT4_LIBRARY names it).
+PROBE = """
+import hashlib, sys
+import numpy as np
+sys.path.insert(0, %r)
+from test_kernel import Packed, _attention_hash, _matmulnbits, _session, weights
+from specrt.engines import int4
+print("paths", int4.paths())
+rng = np.random.default_rng(11)
+K, N, bs = 1000, 61, 64
+B, s, z, b = weights(rng, K, N, bs, bias=True)
+w, A = Packed(B, s, z, b, K, N, bs), rng.standard_normal((13, K)).astype(np.float32)
+for path in int4.paths():
+    print(path, hashlib.sha256(w(A, path).tobytes()).hexdigest())
+print("attention", _attention_hash())
+import tempfile, pathlib
+d = pathlib.Path(tempfile.mkdtemp())
+sess, kernel = _session(_matmulnbits(d / "m.onnx", K, N, bs, B, s, z, b), "auto")
+y = sess.run(None, {"A": A[None]})[0]
+print("session ok" if kernel.swapped == 1 else "session not swapped", hashlib.sha256(y.tobytes()).hexdigest())
+""" % str(ROOT / "tests")
 
 
 def _attention_hash(base: bool = False) -> int:

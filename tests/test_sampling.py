@@ -53,7 +53,7 @@ def test_warp_top_p_smallest_set_reaching_mass():
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.8, 5, 0.9),
                                                      (2.0, 40, 0.95), (0.5, 2, 0.3)])
 def test_warp_matches_transformers(temperature, top_k, top_p):
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 

@@ -85,6 +85,10 @@ def test_noise_threshold_follows_the_quantization(qwen_pair):
     assert chk.classify({"equal": False, "margin": 0.001}, e4, Kernel("avx2", 17, 17, None, 4, 4)) == "BUG"
     assert chk.noise_threshold(e4, Kernel("avx2", 17, 17, None, 0, 4, "x"))[0] == 1.0  # attention onnxruntime's
     assert chk.noise_threshold(e4, Kernel(None, 0, 17, "off", 0, 4, "off"))[0] == 1.0
+    # kernels off (here: the library not built): the report says so, and what it means for the verdicts
+    why = chk.noise_threshold(e4, Kernel(None, 0, 17, "specrt's int4 kernel library is not built (x)", 0, 4, "y"))[1]
+    assert "specrt's kernels are off (specrt's int4 kernel library is not built (x))" in why and "near-ties" in why
+    assert "kernels are off" not in chk.noise_threshold(e4, Kernel("avx2", 17, 17, None, 4, 4))[1]
 
 
 def test_second_token_test_passes_on_correct_decoding(stat_pair):

@@ -72,11 +72,15 @@ def noise_threshold(entry: ModelEntry, kernel=None) -> tuple[float, str]:
         return 1e-6, "specrt's kernels (a row's numbers do not depend on the pass around it)"
     if entry.precision == "int4" or q:
         level = int(q.get("accuracy_level", 0))
+        # specrt's kernels off (not built, refused, or not on every node): say so where the verdicts are read
+        why = None if kernel is None else kernel.why or kernel.attention_why or "a float matmul stays onnxruntime's"
+        off = "" if kernel is None else (f"; specrt's kernels are off ({why}), so greedy speculative equals "
+                                         "target-only only up to near-ties")
         if level in (0, 1):
-            return 0.05, f"int4 weights, accuracy level {level} (fp32 activations)"
+            return 0.05, f"int4 weights, accuracy level {level} (fp32 activations)" + off
         if level in (2, 3):
-            return 0.5, f"int4 weights, accuracy level {level} (16-bit activations)"
-        return 1.0, f"int4 weights, accuracy level {level} (int8 activations)"
+            return 0.5, f"int4 weights, accuracy level {level} (16-bit activations)" + off
+        return 1.0, f"int4 weights, accuracy level {level} (int8 activations)" + off
     if entry.precision == "fp16" or entry.dtype == "float16":
         return 0.5, "fp16"
     return 0.05, "fp32"

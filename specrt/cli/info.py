@@ -90,6 +90,10 @@ def format_info(d: dict) -> str:
             if role == "target" and e["int4_kernel"].get("invariant"):  # what exact rows buy (docs/kernel.md)
                 lines.append("           rows exact: a token's logits are the same in any pass; a request keeps "
                              "every token it shares with the previous one")
+            elif role == "target" and e["int4_kernel"].get("total"):  # what is lost without them (docs/kernel.md)
+                lines.append("           specrt's kernels are off: wide passes (verify, batches, prompts) cost more "
+                             "per row; rows are not exact, so greedy speculative equals target-only only up to "
+                             "near-ties, and a request reuses a shared prompt prefix in whole chunks only")
     mem = d["memory"]
     per = sum(mem["kv_bytes_per_token"].values())
     lines.append(f"memory:    about {fmt(mem['total'])} to load (estimate)")

@@ -269,6 +269,12 @@ def session_source(model_path: Path, so, choice: str | None = None):
     model, kernel = plan(model_path, choice)
     if model is None:
         return os.fspath(model_path), kernel
-    so.register_custom_ops_library(os.fspath(library()))
+    try:
+        so.register_custom_ops_library(os.fspath(library()))
+    except Exception as e:  # onnxruntime raises its own error types; the library says why in one line
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        why = why.split(" : FAIL : ", 1)[-1]  # onnxruntime's "[ONNXRuntimeError] : 1 : FAIL : " before the library's
+        raise PairError(f"{why}; rebuild specrt (pip install -e .) or set {ENV}=off for onnxruntime's own "
+                        "kernels") from None
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(model_path.parent))
     return model.SerializeToString(), kernel

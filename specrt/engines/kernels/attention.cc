@@ -21,6 +21,7 @@
 
 #include "attention.h"
 #include "int4.h"
+#include "target.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -33,6 +34,14 @@
 
 #define SPECRT_INLINE inline __attribute__((always_inline))
 
+// Lanes of two vectors picked by constant indices: the builtin clang has (GCC too, from version 12), else
+// GCC's older form of it.
+#if defined(__clang__) || __GNUC__ >= 12
+#define SPECRT_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SPECRT_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i8v){__VA_ARGS__})
+#endif
+
 namespace specrt {
 
 typedef float f8 __attribute__((vector_size(32)));
@@ -40,13 +49,12 @@ typedef int32_t i8v __attribute__((vector_size(32)));
 alignas(32) static const float kZeros[512] = {};  // a key that is not there
 
 #if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+SPECRT_TARGET_BEGIN("avx2,fma")
 namespace att_avx2 {
 SPECRT_INLINE f8 fma8(f8 a, f8 b, f8 c) { return (f8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
 #include "attention_core.inc"
 }  // namespace att_avx2
-#pragma GCC pop_options
+SPECRT_TARGET_END
 #endif
 
 namespace att_base {

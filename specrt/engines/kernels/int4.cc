@@ -20,6 +20,9 @@
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #endif
+#if defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 
 namespace specrt {
 
@@ -256,6 +259,19 @@ bool cpu_has(Path path) {
   switch (path) {
     case kNeonI8mm: return (hw & (1ul << 20)) && (hw2 & (1ul << 13));  // ASIMDDP and I8MM
     case kNeonDot: return hw & (1ul << 20);  // HWCAP_ASIMDDP
+    case kScalar: return true;
+    default: return false;
+  }
+#elif defined(__aarch64__) && defined(__APPLE__)
+  // macOS names each Arm feature the CPU has (Apple's "Determining instruction set characteristics")
+  auto has = [](const char* name) {
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v == 1;
+  };
+  switch (path) {
+    case kNeonI8mm: return has("hw.optional.arm.FEAT_DotProd") && has("hw.optional.arm.FEAT_I8MM");
+    case kNeonDot: return has("hw.optional.arm.FEAT_DotProd");
     case kScalar: return true;
     default: return false;
   }

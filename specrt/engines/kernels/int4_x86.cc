@@ -1,6 +1,7 @@
 // The x86 paths: AVX2 (+FMA), AVX-VNNI, AVX-512 (F+BW) and AVX-512 VNNI, each the shared tile body
 // (int4_tile.inc) compiled for its instruction set; int4.cc picks one at run time from the CPU's features.
 #include "int4.h"
+#include "target.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -9,7 +10,9 @@
 #include <cstring>
 
 // GCC 12 warns that _mm512_cvtepi32_ps reads an uninitialized vector (its own _mm512_undefined_ps)
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace specrt {
 
@@ -49,8 +52,7 @@ namespace specrt {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }                                              \
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+SPECRT_TARGET_BEGIN("avx2,fma")
 // Step 1 of int4.h, 8 values at a time: the same operations as quantize_scalar (an exact max, one division,
 // a product rounded half to even by the default rounding mode), so the same bytes.
 static void quantize_avx2(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out) {
@@ -126,10 +128,9 @@ struct T {
 #include "int4_tile.inc"
 #include "int4_kernel.inc"
 }  // namespace x86_avx2
-#pragma GCC pop_options
+SPECRT_TARGET_END
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,avxvnni")
+SPECRT_TARGET_BEGIN("avx2,fma,avxvnni")
 namespace x86_avxvnni {
 struct T {
   SPECRT_YMM_TRAITS
@@ -142,10 +143,9 @@ struct T {
 #include "int4_tile.inc"
 #include "int4_kernel.inc"
 }  // namespace x86_avxvnni
-#pragma GCC pop_options
+SPECRT_TARGET_END
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw")
+SPECRT_TARGET_BEGIN("avx2,fma,avx512f,avx512bw")
 namespace x86_avx512 {
 struct T {
   SPECRT_ZMM_TRAITS
@@ -158,10 +158,9 @@ struct T {
 #include "int4_tile.inc"
 #include "int4_kernel.inc"
 }  // namespace x86_avx512
-#pragma GCC pop_options
+SPECRT_TARGET_END
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vnni")
+SPECRT_TARGET_BEGIN("avx2,fma,avx512f,avx512bw,avx512vnni")
 namespace x86_avx512vnni {
 struct T {
   SPECRT_ZMM_TRAITS
@@ -179,7 +178,7 @@ struct T {
 #include "int4_tile.inc"
 #include "int4_kernel.inc"
 }  // namespace x86_avx512vnni
-#pragma GCC pop_options
+SPECRT_TARGET_END
 
 const Quantizer kAvx2Quantize = quantize_avx2;
 const Kernel kAvx2Kernel = x86_avx2::kernel, kAvxVnniKernel = x86_avxvnni::kernel,

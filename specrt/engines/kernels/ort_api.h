@@ -1,12 +1,22 @@
 // The parts of onnxruntime's C API this library uses, declared from its documentation (onnxruntime's
-// "C API" reference, onnxruntime_c_api.h). OrtApi is a table of function pointers that only ever grows at
-// its end, so each function is identified by its index in the table; every index below exists since the
-// API version named, and the library asks for version 17 (onnxruntime 1.17), the first with
-// KernelContext_ParallelFor.
+// "C API" reference, onnxruntime_c_api.h). No package this project can install ships that header, so each
+// function is named here by its index in the OrtApi table, which only ever grows at its end. Every index
+// below was checked against the published header (API version 24, onnxruntime 1.24); the library asks for
+// version 17 (onnxruntime 1.17), the first with KernelContext_ParallelFor. Two checks guard the indices:
+// built where the header is on the include path (setup.py looks for it; SPECRT_ORT_INCLUDE names a folder),
+// each index is asserted against it at compile time; and at load, RegisterCustomOps calls every function
+// it can outside a kernel on known values and refuses the library, in one line, if one answers wrong
+// (ort_op.cc, check_api).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+// tests/test_kernel.py builds the library with this set to 64 (GetTensorShapeElementCount, the same
+// signature): a wrong index that check_api must catch
+#ifndef SPECRT_ORT_DIMENSIONS_COUNT
+#define SPECRT_ORT_DIMENSIONS_COUNT 61
+#endif
 
 namespace ort {
 
@@ -17,6 +27,7 @@ struct Value;
 struct TensorInfo;
 struct SessionOptions;
 struct CustomOpDomain;
+struct MemoryInfo;
 
 constexpr uint32_t kApiVersion = 17;
 
@@ -63,6 +74,19 @@ class Api {
   Status* CreateStatus(ErrorCode code, const char* msg) const {
     return fn<Status* (*)(ErrorCode, const char*)>(0)(code, msg);
   }
+  ErrorCode GetErrorCode(const Status* s) const { return fn<ErrorCode (*)(const Status*)>(1)(s); }
+  const char* GetErrorMessage(const Status* s) const { return fn<const char* (*)(const Status*)>(2)(s); }
+  Status* CreateTensorWithDataAsOrtValue(const MemoryInfo* info, void* data, size_t bytes, const int64_t* shape,
+                                         size_t rank, ElementType type, Value** out) const {
+    return fn<Status* (*)(const MemoryInfo*, void*, size_t, const int64_t*, size_t, ElementType, Value**)>(49)(
+        info, data, bytes, shape, rank, type, out);
+  }
+  Status* CreateCpuMemoryInfo(int allocator_type, int mem_type, MemoryInfo** out) const {
+    return fn<Status* (*)(int, int, MemoryInfo**)>(69)(allocator_type, mem_type, out);
+  }
+  void ReleaseMemoryInfo(MemoryInfo* m) const { fn<void (*)(MemoryInfo*)>(94)(m); }
+  void ReleaseValue(Value* v) const { fn<void (*)(Value*)>(96)(v); }
+  void ReleaseCustomOpDomain(CustomOpDomain* d) const { fn<void (*)(CustomOpDomain*)>(101)(d); }
   Status* CreateCustomOpDomain(const char* domain, CustomOpDomain** out) const {
     return fn<Status* (*)(const char*, CustomOpDomain**)>(26)(domain, out);
   }
@@ -79,7 +103,7 @@ class Api {
     return fn<Status* (*)(const TensorInfo*, ElementType*)>(60)(info, out);
   }
   Status* GetDimensionsCount(const TensorInfo* info, size_t* out) const {
-    return fn<Status* (*)(const TensorInfo*, size_t*)>(61)(info, out);
+    return fn<Status* (*)(const TensorInfo*, size_t*)>(SPECRT_ORT_DIMENSIONS_COUNT)(info, out);
   }
   Status* GetDimensions(const TensorInfo* info, int64_t* dims, size_t count) const {
     return fn<Status* (*)(const TensorInfo*, int64_t*, size_t)>(62)(info, dims, count);
@@ -128,3 +152,40 @@ class Api {
 };
 
 }  // namespace ort
+
+#if defined(SPECRT_ORT_HEADER)
+#include <onnxruntime_c_api.h>
+
+#include <cstddef>
+#define SPECRT_SLOT(name, index) \
+  static_assert(offsetof(OrtApi, name) / sizeof(void*) == (index), "ort_api.h: wrong index for " #name);
+SPECRT_SLOT(CreateStatus, 0)
+SPECRT_SLOT(GetErrorCode, 1)
+SPECRT_SLOT(GetErrorMessage, 2)
+SPECRT_SLOT(CreateCustomOpDomain, 26)
+SPECRT_SLOT(CustomOpDomain_Add, 27)
+SPECRT_SLOT(AddCustomOpDomain, 28)
+SPECRT_SLOT(CreateTensorWithDataAsOrtValue, 49)
+SPECRT_SLOT(GetTensorMutableData, 51)
+SPECRT_SLOT(GetTensorElementType, 60)
+SPECRT_SLOT(GetDimensionsCount, SPECRT_ORT_DIMENSIONS_COUNT)
+SPECRT_SLOT(GetDimensions, 62)
+SPECRT_SLOT(GetTensorTypeAndShape, 65)
+SPECRT_SLOT(CreateCpuMemoryInfo, 69)
+SPECRT_SLOT(KernelInfoGetAttribute_float, 85)
+SPECRT_SLOT(KernelInfoGetAttribute_int64, 86)
+SPECRT_SLOT(KernelInfoGetAttribute_string, 87)
+SPECRT_SLOT(KernelContext_GetInputCount, 88)
+SPECRT_SLOT(KernelContext_GetInput, 90)
+SPECRT_SLOT(KernelContext_GetOutput, 91)
+SPECRT_SLOT(ReleaseStatus, 93)
+SPECRT_SLOT(ReleaseMemoryInfo, 94)
+SPECRT_SLOT(ReleaseValue, 96)
+SPECRT_SLOT(ReleaseTensorTypeAndShapeInfo, 99)
+SPECRT_SLOT(ReleaseCustomOpDomain, 101)
+SPECRT_SLOT(KernelInfo_GetInputCount, 230)
+SPECRT_SLOT(KernelInfoGetConstantInput_tensor, 249)
+SPECRT_SLOT(KernelContext_ParallelFor, 274)
+#undef SPECRT_SLOT
+static_assert(ORT_API_VERSION >= 17, "onnxruntime_c_api.h older than 1.17");
+#endif

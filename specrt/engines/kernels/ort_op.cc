@@ -380,6 +380,43 @@ const ort::CustomOp kAttentionOp = {
     zero, attention_create, attention_compute, nullptr, nullptr, nullptr,
 };
 
+// The functions of ort_api.h that can be called outside a kernel, called on known values: a wrong index
+// there calls another function, which answers otherwise (or, for some, crashes: the tests run this too).
+// "" when every answer is right, else which functions answered wrong and how.
+std::string check_api(const ort::Api& api) {
+  ort::Status* s = api.CreateStatus(ort::kInvalidArgument, "specrt probe");
+  const bool status_ok = s && api.GetErrorCode(s) == ort::kInvalidArgument && !strcmp(api.GetErrorMessage(s), "specrt probe");
+  if (s) api.ReleaseStatus(s);
+  if (!status_ok) return "CreateStatus, GetErrorCode or GetErrorMessage answered wrong";
+  ort::MemoryInfo* mem = nullptr;
+  if (ort::Status* e = api.CreateCpuMemoryInfo(0, 0, &mem)) return api.ReleaseStatus(e), "CreateCpuMemoryInfo failed";
+  float data[6] = {0};
+  const int64_t shape[2] = {2, 3};
+  ort::Value* v = nullptr;
+  std::string why;
+  if (ort::Status* e = api.CreateTensorWithDataAsOrtValue(mem, data, sizeof data, shape, 2, ort::kFloat, &v)) {
+    why = std::string("CreateTensorWithDataAsOrtValue failed: ") + api.GetErrorMessage(e);
+    api.ReleaseStatus(e);
+  } else {
+    const void* p = nullptr;
+    std::vector<int64_t> dims;
+    if (!tensor(api, v, ort::kFloat, 6, &p, &why, &dims))
+      why = "a [2, 3] float tensor reads as " + why;
+    else if (p != data || dims != std::vector<int64_t>{2, 3})
+      why = "a [2, 3] float tensor reads as " + std::to_string(dims.size()) + " dimensions, or not its own data";
+    if (!why.empty())
+      why += " (GetTensorTypeAndShape, GetTensorElementType, GetDimensionsCount, GetDimensions, GetTensorMutableData)";
+    api.ReleaseValue(v);
+  }
+  api.ReleaseMemoryInfo(mem);
+  if (!why.empty()) return why;
+  ort::CustomOpDomain* d = nullptr;
+  if (ort::Status* e = api.CreateCustomOpDomain("specrt.probe", &d)) return api.ReleaseStatus(e), "CreateCustomOpDomain failed";
+  if (!d) return "CreateCustomOpDomain gave no domain";
+  api.ReleaseCustomOpDomain(d);
+  return "";
+}
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) ort::Status* RegisterCustomOps(ort::SessionOptions* options,
@@ -389,8 +426,12 @@ extern "C" __attribute__((visibility("default"))) ort::Status* RegisterCustomOps
     const void* const* v1 = base->GetApi(1);
     return v1 ? ort::Api(v1).CreateStatus(ort::kFail, "specrt's operators need onnxruntime >= 1.17") : nullptr;
   }
-  g_table = table;
   const ort::Api api(table);
+  static const std::string mismatch = check_api(api);  // once a process: the table does not change
+  if (!mismatch.empty())
+    return api.CreateStatus(ort::kFail, ("specrt's kernel library does not match onnxruntime " +
+                                         std::string(base->GetVersionString()) + "'s C API: " + mismatch).c_str());
+  g_table = table;
   // one domain for every session of the process: onnxruntime needs it (and kOp) alive as long as they are
   static ort::CustomOpDomain* domain = [&api]() -> ort::CustomOpDomain* {
     ort::CustomOpDomain* d = nullptr;
