@@ -1,0 +1,137 @@
+"""Where a target pass spends its time, by width, and how far the pass is from its roofline (docs/kernel.md).
+
+Loads the pair's target once with onnxruntime's profiler on (specrt's kernels as `specrt.load` picks them),
+reads a past of --past tokens, then runs each width --repeats times (truncated back after each pass). From the
+profile, per width, medians over the repeats: the pass as onnxruntime timed it (model_run), the int4 matmuls
+of the layers, the output head (the widest matmuls), attention, every other op by type, and what is left of
+the pass outside any node (the executor, the thread pool waking, binding). The pass's roofline is the sum of
+its matmuls' rooflines, each max(packed bytes / bandwidth, width x K x N / peak) with this host's bandwidth
+and int8 peak (bench/roofline.cc, as bench/roofline.py measures them), plus the measured time of everything
+that is not a matmul.
+
+    python bench/profile.py PAIR_DIR [--past 300] [--widths 1,5,9] [--repeats 10] [--threads 2] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402  (bench/roofline.py: the host's limits)
+
+MATMULS = ("Int4MatMul", "MatMulNBits")
+ATTENTION = ("Attention", "GroupQueryAttention")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pair", type=Path)
+    ap.add_argument("--past", type=int, default=300)
+    ap.add_argument("--widths", default="1,5,9")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import specrt
+    from specrt.engines import int4, ort as ort_engine
+
+    widths = [int(w) for w in args.widths.split(",")]
+    tmp = Path(tempfile.mkdtemp())
+    plain = ort_engine.session_options
+
+    def profiled(*a, **k):
+        so = plain(*a, **k)
+        so.enable_profiling = True
+        so.profile_file_prefix = os.fspath(tmp / "pass")
+        return so
+
+    ort_engine.session_options = profiled
+    pair = specrt.load(args.pair, draft_model=False, threads=args.threads)
+    ort_engine.session_options = plain
+    target = pair.target
+    print(f"# {' '.join(sys.argv)}")
+    print(f"# target: {target.kernel.describe() if target.kernel else 'no int4 kernel'}")
+    V = pair.manifest.vocab_size
+    rng = np.random.default_rng(0)
+    target.forward(rng.integers(0, V, (1, args.past)), np.array([args.past - 1]))
+    toks = rng.integers(0, V, (1, max(widths)))
+    order = []
+    for _ in range(args.repeats + 1):  # the first round: a warm-up
+        for w in widths:
+            target.truncate(args.past)
+            target.forward(toks[:, :w], np.arange(w))
+            order.append(w)
+    events = json.loads(Path(target.session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"][-len(order):]
+    nodes = sorted((e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")),
+                   key=lambda e: e["ts"])
+
+    shapes = roofline.shapes_of(args.pair)["target"]
+    layer_shapes = {(K, N) for (K, N, _), n in shapes.items() if n == max(shapes.values())}
+    # each node event belongs to the run whose span holds it
+    parts = {w: defaultdict(list) for w in widths}
+    j = 0
+    for i, (run, w) in enumerate(zip(runs, order)):
+        start, end = run["ts"], run["ts"] + run["dur"]
+        split = defaultdict(float)
+        while j < len(nodes) and nodes[j]["ts"] < start:
+            j += 1
+        while j < len(nodes) and nodes[j]["ts"] < end:
+            e = nodes[j]
+            op = e["args"].get("op_name", "?")
+            if op in MATMULS:  # a shape every layer has is a layer's; the others are the output head's
+                k = int(e["args"]["input_type_shape"][0]["float"][-1])
+                n = int(e["args"]["output_type_shape"][0]["float"][-1])
+                split["layer matmuls" if (k, n) in layer_shapes else "head matmuls"] += e["dur"] / 1e3
+            elif op in ATTENTION:
+                split["attention"] += e["dur"] / 1e3
+            else:
+                split[op] += e["dur"] / 1e3
+            j += 1
+        split["outside nodes"] = run["dur"] / 1e3 - sum(split.values())
+        split["pass"] = run["dur"] / 1e3
+        if i >= len(widths):  # past the warm-up round
+            for k, v in split.items():
+                parts[w][k].append(v)
+
+    weights = sum(roofline.packed_bytes(*s) * n for s, n in shapes.items())
+    exe = roofline.build_helper(tmp)
+    bw = roofline.helper(exe, "bandwidth", weights, args.threads)
+    path = int4.paths()[0] if int4.paths() else "avx2"
+    peak = roofline.helper(exe, "peak", path, args.threads)
+    print(f"# host limits: read bandwidth {bw:.1f} GB/s over {weights / 1e9:.2f} GB, int8 peak ({path}) {peak:.1f} "
+          f"G products/s, {args.threads} threads")
+    keys = ["pass", "layer matmuls", "head matmuls", "attention"]
+    others = sorted({k for w in widths for k in parts[w]} - set(keys) - {"outside nodes"},
+                    key=lambda k: -statistics.median(parts[widths[-1]].get(k, [0])))
+    keys += others + ["outside nodes"]
+    med = {w: {k: statistics.median(parts[w][k]) if parts[w].get(k) else 0.0 for k in keys} for w in widths}
+    print(f"{'ms (median)':<26}" + "".join(f"{f'width {w}':>10}" for w in widths))
+    for k in keys:
+        print(f"{k:<26}" + "".join(f"{med[w][k]:10.2f}" for w in widths))
+    out = {"command": " ".join(sys.argv), "bandwidth_gbs": bw, "peak_gops": peak, "path": path, "ms": med,
+           "roofline": {}}
+    print("roofline:")
+    for w in widths:
+        mm = sum(n * max(roofline.packed_bytes(K, N, bs) / bw / 1e6, w * K * N / peak / 1e6)
+                 for (K, N, bs), n in shapes.items())
+        rest = med[w]["pass"] - med[w]["layer matmuls"] - med[w]["head matmuls"]
+        roof = mm + rest
+        out["roofline"][w] = {"matmuls_ms": mm, "rest_ms": rest, "pass_ms": roof, "fraction": roof / med[w]["pass"]}
+        print(f"  width {w}: matmuls {med[w]['layer matmuls'] + med[w]['head matmuls']:.2f} ms measured, "
+              f"{mm:.2f} at their roofline; the rest {rest:.2f} ms; pass {med[w]['pass']:.2f} ms against a roofline "
+              f"of {roof:.2f} ms ({roof / med[w]['pass']:.2f} of it)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
