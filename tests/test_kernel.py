@@ -4,6 +4,7 @@ the swap at load and what stays onnxruntime's; the Arm path under qemu-user; the
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import runpy
@@ -548,3 +549,35 @@ def test_a_token_verified_in_a_wide_pass_has_its_logits_alone(request, which):
                         np.testing.assert_array_equal(wide[i], alone[i], err_msg=f"P={P} k={k} row {i}")
                     else:
                         np.testing.assert_allclose(wide[i], alone[i], atol=1e-4)
+
+
+# ---------------------------------------------------------------- the roofline tools (bench/roofline.py, profile.py)
+
+
+@built
+@pytest.mark.skipif(not (CXX or CLANG), reason="needs a C++ compiler")
+def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
+    """They run on a pair (figures are this machine's; only their presence and consistency are checked)."""
+    out = tmp_path / "roof.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "roofline.py"), str(int4_default_dir), "--rows", "1,3",
+                        "--repeats", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["bandwidth_gbs"] > 0 and d["peak_gops"] > 0 and d["path"] == int4.paths()[0]
+    assert {s["model"] for s in d["shapes"]} == {"target", "draft"}
+    for s in d["shapes"]:
+        for m, c in s["rows"].items():
+            assert c["ms"] > 0 and c["stream_ms"] == pytest.approx(s["bytes"] / d["bandwidth_gbs"] / 1e6)
+            assert c["fraction"] == pytest.approx(max(c["stream_ms"], c["arith_ms"]) / c["ms"])
+    out = tmp_path / "prof.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile.py"), str(int4_default_dir), "--widths", "1,3",
+                        "--past", "8", "--repeats", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    for w in ("1", "3"):
+        ms = d["ms"][w]
+        assert ms["pass"] > 0 and ms["layer matmuls"] > 0 and ms["attention"] > 0
+        parts = sum(v for k, v in ms.items() if k != "pass")
+        assert parts == pytest.approx(ms["pass"])  # every part of the pass accounted for, once
+        roof = d["roofline"][w]
+        assert roof["pass_ms"] == pytest.approx(roof["matmuls_ms"] + roof["rest_ms"])
