@@ -78,10 +78,11 @@ def main() -> None:
     layer_shapes = {(K, N) for (K, N, _), n in shapes.items() if n == max(shapes.values())}
     # each node event belongs to the run whose span holds it
     parts = {w: defaultdict(list) for w in widths}
+    by_shape = {w: defaultdict(list) for w in widths}  # (K, N): ms a pass spends in matmuls of that shape
     j = 0
     for i, (run, w) in enumerate(zip(runs, order)):
         start, end = run["ts"], run["ts"] + run["dur"]
-        split = defaultdict(float)
+        split, mm = defaultdict(float), defaultdict(float)
         while j < len(nodes) and nodes[j]["ts"] < start:
             j += 1
         while j < len(nodes) and nodes[j]["ts"] < end:
@@ -91,6 +92,7 @@ def main() -> None:
                 k = int(e["args"]["input_type_shape"][0]["float"][-1])
                 n = int(e["args"]["output_type_shape"][0]["float"][-1])
                 split["layer matmuls" if (k, n) in layer_shapes else "head matmuls"] += e["dur"] / 1e3
+                mm[k, n] += e["dur"] / 1e3
             elif op in ATTENTION:
                 split["attention"] += e["dur"] / 1e3
             else:
@@ -101,6 +103,8 @@ def main() -> None:
         if i >= len(widths):  # past the warm-up round
             for k, v in split.items():
                 parts[w][k].append(v)
+            for k, v in mm.items():
+                by_shape[w][k].append(v)
 
     weights = sum(roofline.packed_bytes(*s) * n for s, n in shapes.items())
     exe = roofline.build_helper(tmp)
@@ -129,6 +133,16 @@ def main() -> None:
         print(f"  width {w}: matmuls {med[w]['layer matmuls'] + med[w]['head matmuls']:.2f} ms measured, "
               f"{mm:.2f} at their roofline; the rest {rest:.2f} ms; pass {med[w]['pass']:.2f} ms against a roofline "
               f"of {roof:.2f} ms ({roof / med[w]['pass']:.2f} of it)")
+    print("matmuls inside the pass, by shape: ms a pass (all nodes of the shape), fraction of their roofline")
+    out["by_shape"] = {}
+    for (K, N, bs), n in sorted(shapes.items()):
+        cells = []
+        for w in widths:
+            ms = statistics.median(by_shape[w][K, N]) if by_shape[w].get((K, N)) else float("nan")
+            roof = n * max(roofline.packed_bytes(K, N, bs) / bw / 1e6, w * K * N / peak / 1e6)
+            out["by_shape"].setdefault(f"{K}x{N}", {})[w] = {"ms": ms, "roofline_ms": roof}
+            cells.append(f"{ms:8.2f} {roof / ms:5.2f}")
+        print(f"  {f'{K} x {N}':>13} x{n:<3}" + "".join(cells))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

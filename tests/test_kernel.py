@@ -581,3 +581,28 @@ def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
         assert parts == pytest.approx(ms["pass"])  # every part of the pass accounted for, once
         roof = d["roofline"][w]
         assert roof["pass_ms"] == pytest.approx(roof["matmuls_ms"] + roof["rest_ms"])
+        # the matmuls by shape are the same nodes as the layers' and the head's
+        assert sum(v[w]["ms"] for v in d["by_shape"].values()) == pytest.approx(ms["layer matmuls"] + ms["head matmuls"])
+
+
+def test_the_kernel_ab_tool_compares_two_builds(tmp_path):
+    """bench/kernel_ab.cc: a library against itself runs at one speed within the noise and gives the same
+    bits; bad arguments get a usage line and exit 2."""
+    cxx = os.environ.get("CXX", "g++")
+    lib = tmp_path / "a.so"
+    r = subprocess.run([cxx, *SOURCES["FLAGS"], "-fPIC", "-shared", f"-I{KERNELS}", "-o", str(lib),
+                        *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n.startswith("int4")]],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    exe = tmp_path / "kernel_ab"
+    r = subprocess.run([cxx, "-std=c++17", "-O2", str(ROOT / "bench" / "kernel_ab.cc"), "-ldl", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([str(exe), str(lib), str(lib), "256", "64", "1", "1", "5"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["K=256 N=64 rows= 1", "K=256 N=64 rows= 5"]
+    assert all(line.endswith("bits same") for line in lines)
+    r = subprocess.run([str(exe), str(lib), str(lib), "100", "64", "1", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "multiple of 128" in r.stderr
