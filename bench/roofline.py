@@ -72,11 +72,16 @@ def build_helper(tmp: Path) -> Path:
     return exe
 
 
-def helper(exe: Path, *args) -> float:
-    r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"bench/roofline.cc {' '.join(map(str, args))}: {r.stderr.strip()}")
-    return float(r.stdout)
+def helper(exe: Path, *args, runs: int = 5) -> float:
+    """The best of `runs` runs of bench/roofline.cc: a limit, which a busy neighbour on a shared host only
+    ever lowers (one run in ten has read ~30% low here)."""
+    best = 0.0
+    for _ in range(runs):
+        r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"bench/roofline.cc {' '.join(map(str, args))}: {r.stderr.strip()}")
+        best = max(best, float(r.stdout))
+    return best
 
 
 def graph(K: int, N: int, bs: int, seed: int):
