@@ -7,7 +7,7 @@ of the layers, the output head (the widest matmuls), attention, every other op b
 the pass outside any node (the executor, the thread pool waking, binding). The pass's roofline is the sum of
 its matmuls' rooflines, each max(packed bytes / bandwidth, width x K x N / peak) with this host's bandwidth
 and int8 peak (bench/roofline.cc, as bench/roofline.py measures them), plus the measured time of everything
-that is not a matmul.
+that is not a matmul. Then each matmul shape's time inside the pass (all its nodes) against its roofline.
 
     python bench/profile.py PAIR_DIR [--past 300] [--widths 1,5,9] [--repeats 10] [--threads 2] [--json OUT]
 """
@@ -82,7 +82,7 @@ def main() -> None:
     j = 0
     for i, (run, w) in enumerate(zip(runs, order)):
         start, end = run["ts"], run["ts"] + run["dur"]
-        split, mm = defaultdict(float), defaultdict(float)
+        split, shape_ms = defaultdict(float), defaultdict(float)
         while j < len(nodes) and nodes[j]["ts"] < start:
             j += 1
         while j < len(nodes) and nodes[j]["ts"] < end:
@@ -92,7 +92,7 @@ def main() -> None:
                 k = int(e["args"]["input_type_shape"][0]["float"][-1])
                 n = int(e["args"]["output_type_shape"][0]["float"][-1])
                 split["layer matmuls" if (k, n) in layer_shapes else "head matmuls"] += e["dur"] / 1e3
-                mm[k, n] += e["dur"] / 1e3
+                shape_ms[k, n] += e["dur"] / 1e3
             elif op in ATTENTION:
                 split["attention"] += e["dur"] / 1e3
             else:
@@ -103,7 +103,7 @@ def main() -> None:
         if i >= len(widths):  # past the warm-up round
             for k, v in split.items():
                 parts[w][k].append(v)
-            for k, v in mm.items():
+            for k, v in shape_ms.items():
                 by_shape[w][k].append(v)
 
     weights = sum(roofline.packed_bytes(*s) * n for s, n in shapes.items())
