@@ -4,8 +4,9 @@ Measures, on the machine it runs on: the read bandwidth over a buffer the size o
 (all --threads threads), and the int8 product rate of the instructions of the path `auto` picks (a loop of
 independent dot instructions per thread; bench/roofline.cc, built here with -march=native). Then, for every
 MatMulNBits shape of the pair's target and draft (or of Qwen2.5-Coder 1.5B / 0.5B without a pair) and each
-row count, times specrt's kernel through onnxruntime with weights that do not fit in the caches (enough
-copies of the shape, called in turn) and prints it beside the roofline of that call:
+row count, times specrt's kernel through onnxruntime with weights that do not fit in the caches (one session
+running enough copies of the shape one after another; a call's time is the run's over the copies) and prints
+it beside the roofline of that call:
     roofline = max(packed weight bytes / bandwidth, rows x K x N / peak)
 and the fraction roofline / measured (1.0: at the limit).
 
@@ -84,43 +85,45 @@ def helper(exe: Path, *args, runs: int = 5) -> float:
     return best
 
 
-def graph(K: int, N: int, bs: int, seed: int):
+def graph(K: int, N: int, bs: int, copies: int):
+    """`copies` MatMulNBits nodes of one shape, each with its own random weights, all reading input A."""
     import onnx
     from onnx import TensorProto, helper as h, numpy_helper
 
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     nblk = -(-K // bs)
-    B = rng.integers(0, 256, (N, nblk, bs // 2), dtype=np.uint8)
-    scales = (rng.random((N, nblk), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
-    zp = rng.integers(0, 256, (N, (nblk + 1) // 2), dtype=np.uint8)
-    node = h.make_node("MatMulNBits", ["A", "B", "scales", "zp"], ["Y"], domain="com.microsoft", K=K, N=N, bits=4,
-                       block_size=bs, accuracy_level=4)
-    g = h.make_graph([node], "g", [h.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])],
-                     [h.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])],
-                     [numpy_helper.from_array(a, n) for a, n in ((B, "B"), (scales, "scales"), (zp, "zp"))])
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
-    return model
+    nodes, inits, outs = [], [], []
+    for c in range(copies):
+        B = rng.integers(0, 256, (N, nblk, bs // 2), dtype=np.uint8)
+        scales = (rng.random((N, nblk), dtype=np.float32) * 0.02 + 1e-3).astype(np.float32)
+        zp = rng.integers(0, 256, (N, (nblk + 1) // 2), dtype=np.uint8)
+        nodes.append(h.make_node("MatMulNBits", ["A", f"B{c}", f"scales{c}", f"zp{c}"], [f"Y{c}"],
+                                 domain="com.microsoft", K=K, N=N, bits=4, block_size=bs, accuracy_level=4))
+        inits += [numpy_helper.from_array(a, f"{n}{c}") for a, n in ((B, "B"), (scales, "scales"), (zp, "zp"))]
+        outs.append(h.make_tensor_value_info(f"Y{c}", TensorProto.FLOAT, ["M", N]))
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])], outs, inits)
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
 
 
-def kernel_sessions(K: int, N: int, bs: int, copies: int, threads: int, tmp: Path):
-    """`copies` sessions of one MatMulNBits of this shape (different weights), each on specrt's kernel."""
+def kernel_session(K: int, N: int, bs: int, copies: int, threads: int, tmp: Path):
+    """One session running `copies` matmuls of this shape (different weights) one after another, each on
+    specrt's kernel: a call's time is a run's over `copies`, without the per-run cost of onnxruntime and
+    Python (~13 us here, a fifth of a small matmul), as a node inside a pass has it."""
     import onnx
     import onnxruntime as ort
 
     from specrt.engines import int4
     from specrt.engines.ort import session_options
 
-    out = []
-    for c in range(copies):
-        path = tmp / f"m{K}x{N}-{c}.onnx"
-        onnx.save(graph(K, N, bs, c), os.fspath(path))
-        so = session_options(threads)
-        source, kernel = int4.session_source(path, so, "auto")
-        if kernel.swapped != 1:
-            sys.exit(f"specrt's kernel did not take the {K}x{N} matmul here: {kernel.describe()}")
-        out.append(ort.InferenceSession(source, so, providers=["CPUExecutionProvider"]))
-        path.unlink()
-    return out
+    path = tmp / f"m{K}x{N}.onnx"
+    onnx.save(graph(K, N, bs, copies), os.fspath(path))
+    so = session_options(threads)
+    source, kernel = int4.session_source(path, so, "auto")
+    if kernel.swapped != copies:
+        sys.exit(f"specrt's kernel did not take the {K}x{N} matmuls here: {kernel.describe()}")
+    session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+    path.unlink()
+    return session
 
 
 def main() -> None:
@@ -157,21 +160,18 @@ def main() -> None:
         for role, role_shapes in shapes.items():
             for (K, N, bs), nodes in sorted(role_shapes.items()):
                 size = packed_bytes(K, N, bs)
-                sessions = kernel_sessions(K, N, bs, min(MAX_COPIES, max(2, -(-CACHE_BYTES // size))), args.threads, tmp)
+                copies = min(MAX_COPIES, max(2, -(-CACHE_BYTES // size)))
+                session = kernel_session(K, N, bs, copies, args.threads, tmp)
                 rng = np.random.default_rng(1)
                 feeds = {m: {"A": rng.standard_normal((m, K)).astype(np.float32)} for m in rows}
-                for s in sessions:  # warm-up: every copy once at every width
-                    for m in rows:
-                        s.run(None, feeds[m])
+                for m in rows:  # warm-up: every width once
+                    session.run(None, feeds[m])
                 times = {m: [] for m in rows}
-                i = 0
                 for _ in range(args.repeats):
                     for m in rows:
-                        s = sessions[i % len(sessions)]
-                        i += 1
                         t = time.perf_counter()
-                        s.run(None, feeds[m])
-                        times[m].append(time.perf_counter() - t)
+                        session.run(None, feeds[m])
+                        times[m].append((time.perf_counter() - t) / copies)
                 cells, row = [], {"model": role, "K": K, "N": N, "block": bs, "nodes": nodes, "bytes": size, "rows": {}}
                 for m in rows:
                     ms = statistics.median(times[m]) * 1e3
@@ -181,7 +181,7 @@ def main() -> None:
                     cells.append(f"{ms:7.3f} {roof:5.3f} {roof / ms:5.2f}")
                 results["shapes"].append(row)
                 print(f"{role:<7} {f'{K} x {N}':>13} {nodes:>5} {size / 1e6:6.1f} | " + " | ".join(cells), flush=True)
-                del sessions
+                del session
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
