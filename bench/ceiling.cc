@@ -5,7 +5,7 @@
 // kernel's products per second against the ceiling.
 //
 //   g++ -std=c++17 -O3 -ffp-contract=off -Ispecrt/engines/kernels bench/ceiling.cc \
-//       specrt/engines/kernels/{int4,int4_x86,int4_arm_dot,int4_arm_i8mm,int4_none}.cc -o /tmp/ceiling && /tmp/ceiling
+//       specrt/engines/kernels/{int4,int4_x86,int4_arm_dot,int4_arm_i8mm,int4_none,attention}.cc -o /tmp/ceiling && /tmp/ceiling
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

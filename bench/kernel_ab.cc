@@ -7,7 +7,7 @@
 // library) are used in turn: enough of them (> 64 MB) and every call reads its weights from memory.
 //
 //   lib() { g++ -std=c++17 -O3 -ffp-contract=off -fPIC -shared -I$1 -o $2
-//           $1/int4.cc $1/int4_x86.cc $1/int4_arm_dot.cc $1/int4_arm_i8mm.cc $1/int4_none.cc; }   (one line)
+//           $1/int4.cc $1/int4_x86.cc $1/int4_arm_dot.cc $1/int4_arm_i8mm.cc $1/int4_none.cc $1/attention.cc; }
 //   lib specrt/engines/kernels /tmp/a.so; lib OTHER_TREE/specrt/engines/kernels /tmp/b.so
 //   g++ -std=c++17 -O2 bench/kernel_ab.cc -ldl -o /tmp/kernel_ab
 //   /tmp/kernel_ab /tmp/a.so /tmp/b.so K N COPIES ROWS...     e.g. 1536 17920 5 1 3 5 9 16

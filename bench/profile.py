@@ -76,6 +76,11 @@ def main() -> None:
 
     shapes = roofline.shapes_of(args.pair)["target"]
     layer_shapes = {(K, N) for (K, N, _), n in shapes.items() if n == max(shapes.values())}
+    import onnx
+
+    graph = onnx.load(os.fspath(args.pair / pair.manifest.target.path), load_external_data=False).graph
+    node_shape = {n.name: (a["K"], a["N"]) for n in graph.node if n.op_type == "MatMulNBits"
+                  for a in [{x.name: x.i for x in n.attribute}]}
     # each node event belongs to the run whose span holds it
     parts = {w: defaultdict(list) for w in widths}
     by_shape = {w: defaultdict(list) for w in widths}  # (K, N): ms a pass spends in matmuls of that shape
@@ -89,8 +94,7 @@ def main() -> None:
             e = nodes[j]
             op = e["args"].get("op_name", "?")
             if op in MATMULS:  # a shape every layer has is a layer's; the others are the output head's
-                k = int(e["args"]["input_type_shape"][0]["float"][-1])
-                n = int(e["args"]["output_type_shape"][0]["float"][-1])
+                k, n = node_shape[e["name"][: -len("_kernel_time")]]  # a gated one outputs N / 2 columns
                 split["layer matmuls" if (k, n) in layer_shapes else "head matmuls"] += e["dur"] / 1e3
                 shape_ms[k, n] += e["dur"] / 1e3
             elif op in ATTENTION:

@@ -50,10 +50,12 @@ def _ptr(a):
 
 
 class Packed:
-    def __init__(self, B, scales, zp, bias, K, N, bs):
+    def __init__(self, B, scales, zp, bias, K, N, bs, gated: bool = False):
         self.keep = (B, scales, zp, bias)
-        self.K, self.N = K, N
-        self.handle = int4._lib().specrt_int4_pack(_ptr(B), _ptr(scales), _ptr(zp), _ptr(bias), K, N, bs)
+        self.K, self.N = K, N // 2 if gated else N
+        lib = int4._lib()
+        self.handle = (lib.specrt_int4_pack_gated(_ptr(B), _ptr(scales), _ptr(zp), K, N, bs) if gated else
+                       lib.specrt_int4_pack(_ptr(B), _ptr(scales), _ptr(zp), _ptr(bias), K, N, bs))
         assert self.handle
 
     def __call__(self, A, path: str) -> np.ndarray:
@@ -165,6 +167,32 @@ def test_odd_activations():
         np.testing.assert_array_equal(Y[1], reference(B, s, z, b, K, N, bs, A[1:2])[0])
 
 
+def silu_times(Y: np.ndarray) -> np.ndarray:
+    """A gated MLP's activation of a matmul's output, in float64: silu(first half) * second half."""
+    g, u = np.split(Y.astype(np.float64), 2, axis=-1)
+    return g / (1 + np.exp(-g)) * u
+
+
+@built
+def test_a_gated_weight_gives_silu_of_its_gate_times_its_up_with_the_same_bits_on_every_path():
+    rng = np.random.default_rng(11)
+    for K, N, bs in ((300, 96, 32), (1536, 256, 128)):
+        B, s, z, _ = weights(rng, K, N, bs)
+        w = Packed(B, s, z, None, K, N, bs, gated=True)
+        A = rng.standard_normal((13, K)).astype(np.float32) * rng.uniform(0.1, 10, (13, 1)).astype(np.float32)
+        want = silu_times(reference(B, s, z, None, K, N, bs, A))
+        first = w(A, int4.paths()[0])
+        np.testing.assert_allclose(first, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        for path in int4.paths():  # one activation for every path: the same bits
+            np.testing.assert_array_equal(w(A, path), first, err_msg=path)
+            order = rng.permutation(13)
+            np.testing.assert_array_equal(w(A[order], path), first[order])
+            np.testing.assert_array_equal(w(A[5:6], path)[0], first[5])
+    lib = int4._lib()
+    B, s, z, _ = weights(rng, 128, 40, 128)
+    assert not lib.specrt_int4_pack_gated(_ptr(B), _ptr(s), _ptr(z), 128, 40, 128)  # N / 2 not a multiple of 16
+
+
 # ---------------------------------------------------------------- the custom operator in onnxruntime
 
 
@@ -218,6 +246,64 @@ def test_the_operator_computes_what_matmulnbits_computes(tmp_path, zp, bias):
             # onnxruntime quantizes the activations per block the same way; only the order of its sums differs
             np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
             np.testing.assert_array_equal(y.reshape(-1, N), reference(B, s, z, b, K, N, bs, A.reshape(-1, K)))
+
+
+def _mlp(path: Path, K, N, bs, B, scales, zp, bias=None, extra_use=False):
+    """MatMulNBits then a constant bias Add (with `bias`), or then a gated MLP's activation: Split in halves,
+    g * Sigmoid(g), times the other half (with `extra_use`, g is also an output of the graph)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales, "scales"),
+             numpy_helper.from_array(zp, "zp")]
+    nodes = [helper.make_node("MatMulNBits", ["A", "B", "scales", "zp"], ["Y"], domain="com.microsoft", K=K, N=N,
+                              bits=4, block_size=bs, accuracy_level=4)]
+    outs = []
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+        nodes.append(helper.make_node("Add", ["bias", "Y"], ["out"]))
+        width = N
+    else:
+        inits.append(numpy_helper.from_array(np.array([N // 2, N // 2], np.int64), "halves"))
+        nodes += [helper.make_node("Split", ["Y", "halves"], ["g", "u"], axis=-1),
+                  helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["act"]),
+                  helper.make_node("Mul", ["act", "u"], ["out"])]
+        width = N // 2
+        if extra_use:
+            outs.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, ["b", "s", N // 2]))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", K])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", "s", width]), *outs], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=64)
+    return path
+
+
+@built
+def test_a_bias_add_and_a_gated_activation_fold_into_the_matmul(tmp_path):
+    """The bias Add becomes the kernel's bias (the same bits as the Add); the gated MLP's Split, Sigmoid and
+    two Muls become its gated output (silu(gate) * up, close to onnxruntime's); an activation whose gate is
+    used elsewhere stays as it is."""
+    rng = np.random.default_rng(12)
+    K, N, bs = 512, 192, 128
+    B, s, z, b = weights(rng, K, N, bs, bias=True)
+    A = rng.standard_normal((1, 7, K)).astype(np.float32)
+    for case in ("bias", "glu", "glu used elsewhere"):
+        path = _mlp(tmp_path / f"{case}.onnx", K, N, bs, B, s, z, b if case == "bias" else None,
+                    extra_use=case == "glu used elsewhere")
+        model, _ = int4.plan(path, "auto")
+        ops = [n.op_type for n in model.graph.node]
+        ours, _ = _session(path, "auto", threads=2)
+        theirs, _ = _session(path, "off")
+        y, want = ours.run(None, {"A": A})[0], theirs.run(None, {"A": A})[0]
+        plain = reference(B, s, z, None, K, N, bs, A.reshape(-1, K))
+        if case == "bias":
+            assert ops == ["Int4MatMul"]
+            np.testing.assert_array_equal(y.reshape(-1, N), (plain + b).astype(np.float32))
+        else:
+            assert ops == (["Int4MatMul"] if case == "glu" else ["Int4MatMul", "Split", "Sigmoid", "Mul", "Mul"])
+            np.testing.assert_allclose(y.reshape(-1, N // 2), silu_times(plain), rtol=1e-5,
+                                       atol=1e-6 * np.abs(want).max())
+        np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
 @built
@@ -591,7 +677,7 @@ def test_the_kernel_ab_tool_compares_two_builds(tmp_path):
     cxx = os.environ.get("CXX", "g++")
     lib = tmp_path / "a.so"
     r = subprocess.run([cxx, *SOURCES["FLAGS"], "-fPIC", "-shared", f"-I{KERNELS}", "-o", str(lib),
-                        *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n.startswith("int4")]],
+                        *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n != "ort_op.cc"]],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     exe = tmp_path / "kernel_ab"

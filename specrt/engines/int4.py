@@ -7,8 +7,11 @@ nodes (not its weights) and swaps every node the kernels take. MatMulNBits: 4 bi
 multiple of 32, accuracy level 4 (int8 activations, which is what the kernel computes), constant float
 weights, no g_idx, on a CPU with one of the kernel's SIMD paths. GroupQueryAttention: float, rotary inside
 (not interleaved), no softcap, local window, smooth softmax, position ids or bias, a head size that is a
-multiple of 16. The others stay onnxruntime's, node by node. The graph file is never changed: the session is
-made from the edited graph in memory, its weights read from the pair folder as before.
+multiple of 16. The others stay onnxruntime's, node by node. Then two folds into the swapped matmuls: an Add
+of a constant bias after one becomes its bias (the same bits), and a gated MLP's activation after one (Split
+in halves, g * Sigmoid(g), times the other half) becomes its gated output (kernels/int4.h, Packed::glu): a
+layer runs five nodes fewer. The graph file is never changed: the session is made from the edited graph in
+memory, its weights read from the pair folder as before.
 
 `SPECRT_INT4_KERNEL` chooses: "auto" (the default: the best matmul path this CPU runs), "off" (onnxruntime's
 own kernels for every node), or a path name ("avx2", "neon-dotprod", ...: that path or an error).
@@ -98,6 +101,8 @@ def _lib():
     lib.specrt_int4_pack.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     lib.specrt_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                        ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.specrt_int4_pack_gated.restype = ctypes.c_void_p
+    lib.specrt_int4_pack_gated.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     lib.specrt_int4_free.argtypes = [ctypes.c_void_p]
     lib.specrt_int4_reference.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int,
                                                                                      ctypes.c_void_p]
@@ -190,6 +195,104 @@ def _refusal(node, inits: dict) -> str | None:
     return None
 
 
+def _fold_bias(graph, inits: dict) -> int:
+    """Each Add of a float constant of N values to an Int4MatMul's output, where that Add is the output's only
+    use, becomes the matmul's bias: the kernel adds it to each output value as the Add did (one float
+    addition, the same bits), and the pass runs one node fewer a layer. Returns how many were folded."""
+    from onnx import TensorProto
+
+    uses: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    drop = []
+    for node in graph.node:
+        if node.op_type != OP or node.domain != DOMAIN or (len(node.input) > 4 and node.input[4]):
+            continue
+        out = node.output[0]
+        add = uses.get(out, [])
+        if out in outputs or len(add) != 1 or add[0].op_type != "Add" or add[0].domain not in ("", "ai.onnx"):
+            continue
+        add = add[0]
+        other = add.input[1] if add.input[0] == out else add.input[0]
+        bias = inits.get(other)
+        N = _attrs(node)["N"]
+        if other == out or bias is None or bias.data_type != TensorProto.FLOAT or list(bias.dims) != [N]:
+            continue
+        while len(node.input) < 5:
+            node.input.append("")
+        node.input[4] = other
+        node.output[0] = add.output[0]
+        drop.append(add)
+    for add in drop:
+        graph.node.remove(add)
+    return len(drop)
+
+
+def _constant(graph, inits: dict, name: str, folder: Path):
+    """The value of `name` when it is an initializer (its data maybe in a file of `folder`) or a Constant
+    node's output, else None."""
+    from onnx import numpy_helper
+
+    if name in inits:
+        return numpy_helper.to_array(inits[name], os.fspath(folder))
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output[0] == name and node.attribute and node.attribute[0].name == "value":
+            return numpy_helper.to_array(node.attribute[0].t)
+    return None
+
+
+def _fuse_glu(graph, inits: dict, folder: Path) -> int:
+    """A gated MLP's activation after an Int4MatMul (Split in two halves on the last axis, g * Sigmoid(g),
+    times the other half), each intermediate used only there, becomes the matmul's `glu` output
+    (kernels/int4.h, Packed::glu): four nodes and a [rows, N] tensor fewer a layer. The activation's bits
+    are specrt's own (attention.h, silu_mul), the same for a row whatever the pass. Returns how many."""
+    from onnx import helper
+
+    uses: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def only(name: str, op: str):  # the one node that uses `name`, if it is an `op`
+        u = uses.get(name, [])
+        return u[0] if len(u) == 1 and u[0].op_type == op and u[0].domain in ("", "ai.onnx") and name not in outputs else None
+
+    def other(node, name: str) -> str:
+        return node.input[1] if node.input[0] == name else node.input[0]
+
+    drop = []
+    for mm in graph.node:
+        if mm.op_type != OP or mm.domain != DOMAIN or (len(mm.input) > 4 and mm.input[4]):
+            continue
+        N = _attrs(mm)["N"]
+        split = only(mm.output[0], "Split")
+        if split is None or N % 32 or len(split.output) != 2 or _attrs(split).get("axis") != -1:
+            continue
+        sizes = _constant(graph, inits, split.input[1], folder) if len(split.input) > 1 and split.input[1] else None
+        if sizes is not None and [int(x) for x in sizes.reshape(-1)] != [N // 2, N // 2]:
+            continue
+        g, u = split.output
+        g_uses = uses.get(g, [])
+        sig = next((n for n in g_uses if n.op_type == "Sigmoid"), None)
+        if len(g_uses) != 2 or sig is None or g in outputs or u in outputs:
+            continue
+        mul = only(sig.output[0], "Mul")
+        if mul is None or other(mul, sig.output[0]) != g or mul not in g_uses:
+            continue
+        gate = only(mul.output[0], "Mul")
+        if gate is None or other(gate, mul.output[0]) != u or only(u, "Mul") is not gate:
+            continue
+        mm.output[0] = gate.output[0]
+        mm.attribute.append(helper.make_attribute("glu", 1))
+        drop += [split, sig, mul, gate]
+    for node in drop:
+        graph.node.remove(node)
+    return len(drop) // 4
+
+
 def _attention_refusal(node, inits: dict) -> str | None:
     """Why specrt's attention does not take this GroupQueryAttention node (None: it does)."""
     from onnx import TensorProto
@@ -244,6 +347,8 @@ def plan(model_path: Path, choice: str | None = None):
                                     domain=DOMAIN, K=a["K"], N=a["N"], bits=4, block_size=a["block_size"], path=path)
 
         swapped, refused = _swap(nodes, _refusal, inits, matmul)
+        _fold_bias(model.graph, inits)
+        _fuse_glu(model.graph, inits, Path(model_path).parent)
     why = (simd if nodes else None) or _reasons(refused)
 
     def attention(node, a):

@@ -106,6 +106,13 @@ void attention_group(const AttentionCall& c, int b, int g, float* scratch) {
   att_base::group(c, b, g, scratch);
 }
 
+void silu_mul(const float* g, const float* u, int n, float* out) {
+#if defined(__x86_64__)
+  if (use_avx2()) return att_avx2::silu_mul(g, u, n, out);
+#endif
+  att_base::silu_mul(g, u, n, out);
+}
+
 }  // namespace specrt
 
 // A fixed problem through the attention (2 rows of 3 and 2 new tokens after pasts of 5 and 0 entries,

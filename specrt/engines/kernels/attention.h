@@ -30,4 +30,9 @@ size_t attention_scratch(const AttentionCall& c);
 // Every query position of row b for the query heads of key/value head g.
 void attention_group(const AttentionCall& c, int b, int g, float* scratch);
 
+// out[i] = silu(g[i]) * u[i] = g[i] * sigmoid(g[i]) * u[i] for i < n (a multiple of 8): a gated MLP's
+// activation, which the int4 kernel applies to a gated matmul's output (int4.h, Packed::glu). Made of the
+// attention's elementwise vector operations (its exponential included), so the same bits everywhere.
+void silu_mul(const float* g, const float* u, int n, float* out);
+
 }  // namespace specrt

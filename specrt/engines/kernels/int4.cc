@@ -1,6 +1,7 @@
 // Packing, activation quantization, the scalar kernel, path selection and the C interface the tests and
 // `specrt info` use through ctypes. The arithmetic is defined in int4.h.
 #include "int4.h"
+#include "attention.h"
 
 #include <cmath>
 #include <cstdio>
@@ -97,9 +98,10 @@ void chunk_free(void* owner) {
 }  // namespace
 
 bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
-          Packed* out) {
+          Packed* out, bool glu) {
+  if (glu && (N % (2 * kPanel) || bias)) return false;
   Packed w;
-  w.K = K, w.N = N, w.bs = bs;
+  w.K = K, w.N = N, w.bs = bs, w.glu = glu;
   w.nblk = (K + bs - 1) / bs;
   w.npanel = (N + kPanel - 1) / kPanel;
   w.block_bytes = (size_t)bs * 8 + 2 * kPanel * sizeof(float);
@@ -117,7 +119,7 @@ bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float*
       float* sc = (float*)(dst + (size_t)bs * 8);
       float* zf = sc + kPanel;
       for (int c = 0; c < kPanel; ++c) {
-        const int n = p * kPanel + c;
+        const int n = (glu ? (p % 2) * (N / 2) + p / 2 * kPanel : p * kPanel) + c;
         const uint8_t* src = n < N ? B + ((size_t)n * w.nblk + b) * blob : nullptr;
         for (int s = 0; s < bs / 8; ++s) {
           for (int i = 0; i < 4; ++i) {
@@ -174,28 +176,38 @@ void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int 
 }
 
 // The scalar path over the packed layout: the arithmetic of int4.h written out, one element at a time.
-void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy) {
-  for (int p = p0; p < p1; ++p) {
-    for (int r = r0; r < r0 + nr; ++r) {
-      float acc[kPanel] = {0};
-      for (int b = 0; b < w.nblk; ++b) {
-        const uint8_t* blk = w.data + ((size_t)p * w.nblk + b) * w.block_bytes;
-        const float* sc = (const float*)(blk + (size_t)w.bs * 8);
-        const float* zf = sc + kPanel;
-        const float s_a = a.scale[(size_t)r * a.nblk + b];
-        const int sum = (int)a.sum[(size_t)r * a.nblk + b];
-        for (int c = 0; c < kPanel; ++c) {
-          int dot = 0;
-          for (int s = 0; s < w.bs / 8; ++s) {
-            const int8_t* qk = a.at(r, b * w.bs + s * 8);
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t v = blk[(size_t)s * 64 + 4 * c + i];
-              dot += (v & 15) * qk[i] + (v >> 4) * qk[4 + i];
-            }
-          }
-          const float d = (float)(dot - (int)zf[c] * sum);
-          acc[c] = std::fma(d, sc[c] * s_a, acc[c]);
+static void scalar_panel(const Packed& w, const Acts& a, int p, int r, float* acc) {
+  for (int c = 0; c < kPanel; ++c) acc[c] = 0.0f;
+  for (int b = 0; b < w.nblk; ++b) {
+    const uint8_t* blk = w.data + ((size_t)p * w.nblk + b) * w.block_bytes;
+    const float* sc = (const float*)(blk + (size_t)w.bs * 8);
+    const float* zf = sc + kPanel;
+    const float s_a = a.scale[(size_t)r * a.nblk + b];
+    const int sum = (int)a.sum[(size_t)r * a.nblk + b];
+    for (int c = 0; c < kPanel; ++c) {
+      int dot = 0;
+      for (int s = 0; s < w.bs / 8; ++s) {
+        const int8_t* qk = a.at(r, b * w.bs + s * 8);
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t v = blk[(size_t)s * 64 + 4 * c + i];
+          dot += (v & 15) * qk[i] + (v >> 4) * qk[4 + i];
         }
+      }
+      const float d = (float)(dot - (int)zf[c] * sum);
+      acc[c] = std::fma(d, sc[c] * s_a, acc[c]);
+    }
+  }
+}
+
+void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy) {
+  for (int p = p0; p < p1; p += w.glu ? 2 : 1) {
+    for (int r = r0; r < r0 + nr; ++r) {
+      float acc[kPanel], up[kPanel];
+      scalar_panel(w, a, p, r, acc);
+      if (w.glu) {
+        scalar_panel(w, a, p + 1, r, up);
+        silu_mul(acc, up, kPanel, y + (size_t)r * ldy + (size_t)p / 2 * kPanel);
+        continue;
       }
       for (int c = 0; c < kPanel && p * kPanel + c < w.N; ++c) {
         const int n = p * kPanel + c;
@@ -398,12 +410,21 @@ EXPORT void* specrt_int4_pack(const uint8_t* B, const float* scales, const uint8
   return w;
 }
 
+// The same, packed as a gated MLP's two matmuls in one (Packed::glu): N even, N / 2 a multiple of 16, no
+// bias; a matmul of it gives N / 2 columns. Null when the shape does not allow it.
+EXPORT void* specrt_int4_pack_gated(const uint8_t* B, const float* scales, const uint8_t* zp, int K, int N, int bs) {
+  if (K <= 0 || N <= 0 || bs < 32 || bs % 32) return nullptr;
+  Packed* w = new Packed;
+  if (!pack(B, scales, zp, nullptr, K, N, bs, w, true)) return delete w, nullptr;
+  return w;
+}
+
 EXPORT void specrt_int4_free(void* w) {
   if (w) release((Packed*)w), delete (Packed*)w;
 }
 
-// Y [M][N] = A [M][K] times the packed weight, on one thread, by path `path` ("auto" or a name);
-// panels [p0, p1) only when p1 > 0 (the rest of Y untouched). Returns 0, or -1 when the path cannot run here.
+// Y [M][N] = A [M][K] times the packed weight (Y [M][N / 2] when gated), on one thread, by path `path`
+// ("auto" or a name); panels [p0, p1) only when p1 > 0 (the rest of Y untouched; even bounds when gated). Returns 0, or -1 when the path cannot run here.
 EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* Y, const char* path, int p0, int p1) {
   const Packed& w = *(const Packed*)packed;
   const Impl* impl = choose(path, nullptr);
@@ -414,7 +435,8 @@ EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* 
   a.M = M, a.Kp = w.nblk * w.bs, a.nblk = w.nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();
   impl->quantize(A, w.K, 0, M, w.K, w.bs, a);
   if (p1 <= 0) p0 = 0, p1 = w.npanel;
-  for (int r = 0; r < M; r += kRowChunk) impl->kernel(w, a, r, M - r < kRowChunk ? M - r : kRowChunk, p0, p1, Y, w.N);
+  for (int r = 0; r < M; r += kRowChunk)
+    impl->kernel(w, a, r, M - r < kRowChunk ? M - r : kRowChunk, p0, p1, Y, w.out_cols());
   return 0;
 }
 

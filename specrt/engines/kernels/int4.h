@@ -31,6 +31,12 @@ struct Packed {
   uint8_t* data = nullptr;  // npanel * nblk * block_bytes bytes, 64-byte aligned
   float* bias = nullptr;    // [N], or null
   void* chunk = nullptr;    // the memory data lies in (int4.cc)
+  // A gated MLP's two matmuls in one (N even, N / 2 a multiple of kPanel, no bias): the output has N / 2
+  // columns, column j = silu(column j) * column N / 2 + j of the matmul (silu_mul, attention.h). Panels
+  // 2i and 2i + 1 hold columns [16i, 16i + 16) and [N / 2 + 16i, ...), so a kernel's panel range must
+  // start and end at even panels.
+  bool glu = false;
+  int out_cols() const { return glu ? N / 2 : N; }
 };
 
 // The activations of one call, quantized (step 1 above). The int8 values are stored by 8 (one step of a
@@ -44,7 +50,8 @@ struct Acts {
   int8_t* at(int r, int k) const { return q + ((size_t)(k >> 3) * M + r) * 8 + (k & 7); }  // value k of row r
 };
 
-// Computes rows [r0, r0 + nr) (nr <= kRowChunk) of panels [p0, p1) into y (row stride ldy floats).
+// Computes rows [r0, r0 + nr) (nr <= kRowChunk) of panels [p0, p1) into y (row stride ldy floats; with
+// w.glu, the gated columns of panel pairs [p0, p1), both even).
 using Kernel = void (*)(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy);
 // Step 1 for rows [row0, row0 + rows) of A (row stride lda floats) into out, whose rows it fills.
 using Quantizer = void (*)(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);
@@ -68,7 +75,7 @@ const Impl* choose(const char* name, Path* chosen);
 // Packs B [N][nblk][bs/2] (MatMulNBits' layout), scales [N][nblk], zero points [N][ceil(nblk/2)] (4-bit,
 // low nibble first; null: 8) and bias [N] (may be null). Returns false when out of memory.
 bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
-          Packed* out);
+          Packed* out, bool glu = false);
 void release(Packed* w);
 
 // Path kernels and quantizers; defined in the per-ISA files (null where a build lacks them).

@@ -4,6 +4,7 @@
 // clang (14 here, and others) declares these intrinsics only in a file compiled so, not in a function
 // given a target attribute. Only this path's code is here, all of it static but the kernel's pointer, so
 // nothing else the library runs is compiled for that instruction set. Built without it, the path is null.
+#include "attention.h"
 #include "int4.h"
 
 #if defined(__aarch64__) && defined(__ARM_FEATURE_MATMUL_INT8)

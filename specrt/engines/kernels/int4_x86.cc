@@ -1,5 +1,6 @@
 // The x86 paths: AVX2 (+FMA), AVX-VNNI, AVX-512 (F+BW) and AVX-512 VNNI, each the shared tile body
 // (int4_tile.inc) compiled for its instruction set; int4.cc picks one at run time from the CPU's features.
+#include "attention.h"
 #include "int4.h"
 #include "target.h"
 

@@ -2,8 +2,9 @@
 // in the domain "specrt"; the CPU engine puts them in place of the nodes they can take (engines/int4.py).
 //
 // specrt.Int4MatMul, the kernel of int4.h: inputs A [..., K] float, then B, scales, zero points (optional)
-// and bias (optional) as MatMulNBits has them; attributes K, N, bits (4), block_size and `path` ("auto" or
-// a path name from int4.h). The weights are packed once, when the session creates the kernel; a call
+// and bias (optional) as MatMulNBits has them; attributes K, N, bits (4), block_size, `path` ("auto" or
+// a path name from int4.h) and `glu` (optional, 1: the output is [..., N / 2], a gated MLP's activation
+// silu(Y[..., :N/2]) * Y[..., N/2:], int4.h's Packed::glu). The weights are packed once, when the session creates the kernel; a call
 // quantizes its rows once and spreads panels of output columns over onnxruntime's own intra-op threads.
 //
 // specrt.Attention, attention.h: inputs query [B, S, (H + 2 Hkv) D] (or [B, S, H D] with key and value
@@ -118,6 +119,8 @@ ort::Status* create(const ort::CustomOp*, const void* table, const ort::KernelIn
   }
   if (bits != 4 || bs < 32 || bs % 32 || K <= 0 || N <= 0 || K > (1 << 30) || N > (1 << 30))
     return fail(api, "takes bits 4, a block size that is a multiple of 32 and positive K and N");
+  int64_t glu = 0;  // optional: a gated MLP's two matmuls in one (int4.h, Packed::glu)
+  if (ort::Status* s = api.KernelInfoGetAttribute_int64(info, "glu", &glu)) api.ReleaseStatus(s), glu = 0;
   std::string path = "auto";
   size_t len = 0;
   if (ort::Status* s = api.KernelInfoGetAttribute_string(info, "path", nullptr, &len)) {
@@ -147,8 +150,10 @@ ort::Status* create(const ort::CustomOp*, const void* table, const ort::KernelIn
   Op* op = new Op;
   op->impl = specrt::choose(path.c_str(), nullptr);
   if (!op->impl) return delete op, fail(api, "path '" + path + "' cannot run on this CPU");
+  if (glu && (N % (2 * specrt::kPanel) || bias))
+    return delete op, fail(api, "glu takes N a multiple of " + std::to_string(2 * specrt::kPanel) + " and no bias");
   if (!specrt::pack((const uint8_t*)B, (const float*)scales, (const uint8_t*)zp, (const float*)bias, (int)K, (int)N,
-                    (int)bs, &op->w))
+                    (int)bs, &op->w, glu != 0))
     return delete op, fail(api, "out of memory packing the weights");
   drop_file_pages(B, (size_t)N * nblk * (size_t)bs / 2);
   drop_file_pages(scales, (size_t)N * nblk * sizeof(float));
@@ -184,7 +189,7 @@ void panel_item(void* data, size_t i) {
   const Packed& w = c.op->w;
   const int r = (int)(i / c.groups) * specrt::kRowChunk, p = (int)(i % c.groups) * c.group;
   const int nr = c.M - r < specrt::kRowChunk ? c.M - r : specrt::kRowChunk;
-  c.op->impl->kernel(w, c.acts, r, nr, p, p + c.group < w.npanel ? p + c.group : w.npanel, c.y, w.N);
+  c.op->impl->kernel(w, c.acts, r, nr, p, p + c.group < w.npanel ? p + c.group : w.npanel, c.y, w.out_cols());
 }
 
 const void* const* g_table = nullptr;  // set by RegisterCustomOps
@@ -203,7 +208,7 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
     return fail(api, "A's last dimension must be K = " + std::to_string(w.K));
   size_t M = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) M *= (size_t)dims[i];
-  dims.back() = w.N;
+  dims.back() = w.out_cols();
   ort::Value* yv = nullptr;
   if (ort::Status* s = api.KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &yv)) return s;
   if (M == 0) return nullptr;
@@ -226,6 +231,7 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
   // items to balance two threads on every matrix of a 0.5B model (measured: 32 KB items ~5% slower at one row)
   const size_t panel_bytes = (size_t)w.nblk * w.block_bytes;
   c.group = (int)((131072 + panel_bytes - 1) / panel_bytes);
+  if (w.glu) c.group += c.group & 1;  // whole pairs of panels
   c.groups = (w.npanel + c.group - 1) / c.group;
   const size_t chunks = (M + specrt::kRowChunk - 1) / specrt::kRowChunk;
   return api.KernelContext_ParallelFor(ctx, panel_item, chunks * c.groups, 0, &c);
