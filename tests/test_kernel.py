@@ -248,9 +248,10 @@ def test_the_operator_computes_what_matmulnbits_computes(tmp_path, zp, bias):
             np.testing.assert_array_equal(y.reshape(-1, N), reference(B, s, z, b, K, N, bs, A.reshape(-1, K)))
 
 
-def _mlp(path: Path, K, N, bs, B, scales, zp, bias=None, extra_use=False):
+def _mlp(path: Path, K, N, bs, B, scales, zp, bias=None, extra_use=False, gate_second=False):
     """MatMulNBits then a constant bias Add (with `bias`), or then a gated MLP's activation: Split in halves,
-    g * Sigmoid(g), times the other half (with `extra_use`, g is also an output of the graph)."""
+    g * Sigmoid(g), times the other half (with `extra_use`, g is also an output of the graph; with
+    `gate_second`, the gate is the second half)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -265,9 +266,10 @@ def _mlp(path: Path, K, N, bs, B, scales, zp, bias=None, extra_use=False):
         width = N
     else:
         inits.append(numpy_helper.from_array(np.array([N // 2, N // 2], np.int64), "halves"))
+        gate, up = ("u", "g") if gate_second else ("g", "u")
         nodes += [helper.make_node("Split", ["Y", "halves"], ["g", "u"], axis=-1),
-                  helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["act"]),
-                  helper.make_node("Mul", ["act", "u"], ["out"])]
+                  helper.make_node("Sigmoid", [gate], ["sg"]), helper.make_node("Mul", [gate, "sg"], ["act"]),
+                  helper.make_node("Mul", ["act", up], ["out"])]
         width = N // 2
         if extra_use:
             outs.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, ["b", "s", N // 2]))
@@ -287,9 +289,9 @@ def test_a_bias_add_and_a_gated_activation_fold_into_the_matmul(tmp_path):
     K, N, bs = 512, 192, 128
     B, s, z, b = weights(rng, K, N, bs, bias=True)
     A = rng.standard_normal((1, 7, K)).astype(np.float32)
-    for case in ("bias", "glu", "glu used elsewhere"):
+    for case in ("bias", "glu", "glu used elsewhere", "gate second"):
         path = _mlp(tmp_path / f"{case}.onnx", K, N, bs, B, s, z, b if case == "bias" else None,
-                    extra_use=case == "glu used elsewhere")
+                    extra_use=case == "glu used elsewhere", gate_second=case == "gate second")
         model, _ = int4.plan(path, "auto")
         ops = [n.op_type for n in model.graph.node]
         ours, _ = _session(path, "auto", threads=2)
@@ -299,6 +301,10 @@ def test_a_bias_add_and_a_gated_activation_fold_into_the_matmul(tmp_path):
         if case == "bias":
             assert ops == ["Int4MatMul"]
             np.testing.assert_array_equal(y.reshape(-1, N), (plain + b).astype(np.float32))
+        elif case == "gate second":  # not the layout the kernel's gated output has: the nodes stay
+            assert ops == ["Int4MatMul", "Split", "Sigmoid", "Mul", "Mul"]
+            np.testing.assert_allclose(y.reshape(-1, N // 2), silu_times(np.roll(plain, N // 2, axis=1)),
+                                       rtol=1e-5, atol=1e-6 * np.abs(want).max())
         else:
             assert ops == (["Int4MatMul"] if case == "glu" else ["Int4MatMul", "Split", "Sigmoid", "Mul", "Mul"])
             np.testing.assert_allclose(y.reshape(-1, N // 2), silu_times(plain), rtol=1e-5,

@@ -25,6 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specrt.errors import PairError
 
 DOMAIN, OP, ATTENTION = "specrt", "Int4MatMul", "Attention"
@@ -195,17 +197,22 @@ def _refusal(node, inits: dict) -> str | None:
     return None
 
 
+def _uses(graph) -> tuple[dict[str, list], set[str]]:
+    """Each tensor's consuming nodes, and the graph's output names."""
+    uses: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses.setdefault(name, []).append(node)
+    return uses, {o.name for o in graph.output}
+
+
 def _fold_bias(graph, inits: dict) -> int:
     """Each Add of a float constant of N values to an Int4MatMul's output, where that Add is the output's only
     use, becomes the matmul's bias: the kernel adds it to each output value as the Add did (one float
     addition, the same bits), and the pass runs one node fewer a layer. Returns how many were folded."""
     from onnx import TensorProto
 
-    uses: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            uses.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    uses, outputs = _uses(graph)
     drop = []
     for node in graph.node:
         if node.op_type != OP or node.domain != DOMAIN or (len(node.input) > 4 and node.input[4]):
@@ -250,11 +257,7 @@ def _fuse_glu(graph, inits: dict, folder: Path) -> int:
     are specrt's own (attention.h, silu_mul), the same for a row whatever the pass. Returns how many."""
     from onnx import helper
 
-    uses: dict[str, list] = {}
-    for node in graph.node:
-        for name in node.input:
-            uses.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    uses, outputs = _uses(graph)
 
     def only(name: str, op: str):  # the one node that uses `name`, if it is an `op`
         u = uses.get(name, [])
@@ -271,8 +274,10 @@ def _fuse_glu(graph, inits: dict, folder: Path) -> int:
         split = only(mm.output[0], "Split")
         if split is None or N % 32 or len(split.output) != 2 or _attrs(split).get("axis") != -1:
             continue
+        # the sizes: an input (opset 13+), an attribute (older opsets), or neither (equal parts)
         sizes = _constant(graph, inits, split.input[1], folder) if len(split.input) > 1 and split.input[1] else None
-        if sizes is not None and [int(x) for x in sizes.reshape(-1)] != [N // 2, N // 2]:
+        sizes = _attrs(split).get("split") if sizes is None else sizes
+        if sizes is not None and [int(x) for x in np.asarray(sizes).reshape(-1)] != [N // 2, N // 2]:
             continue
         g, u = split.output
         g_uses = uses.get(g, [])
@@ -280,7 +285,7 @@ def _fuse_glu(graph, inits: dict, folder: Path) -> int:
         if len(g_uses) != 2 or sig is None or g in outputs or u in outputs:
             continue
         mul = only(sig.output[0], "Mul")
-        if mul is None or other(mul, sig.output[0]) != g or mul not in g_uses:
+        if mul is None or other(mul, sig.output[0]) != g:
             continue
         gate = only(mul.output[0], "Mul")
         if gate is None or other(gate, mul.output[0]) != u or only(u, "Mul") is not gate:
