@@ -424,7 +424,8 @@ EXPORT void specrt_int4_free(void* w) {
 }
 
 // Y [M][N] = A [M][K] times the packed weight (Y [M][N / 2] when gated), on one thread, by path `path`
-// ("auto" or a name); panels [p0, p1) only when p1 > 0 (the rest of Y untouched; even bounds when gated). Returns 0, or -1 when the path cannot run here.
+// ("auto" or a name); panels [p0, p1) only when p1 > 0 (the rest of Y untouched; even bounds when gated).
+// Returns 0, or -1 when the path cannot run here.
 EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* Y, const char* path, int p0, int p1) {
   const Packed& w = *(const Packed*)packed;
   const Impl* impl = choose(path, nullptr);

@@ -73,7 +73,8 @@ bool cpu_has(Path path);    // the CPU (and OS) run it
 const Impl* choose(const char* name, Path* chosen);
 
 // Packs B [N][nblk][bs/2] (MatMulNBits' layout), scales [N][nblk], zero points [N][ceil(nblk/2)] (4-bit,
-// low nibble first; null: 8) and bias [N] (may be null). Returns false when out of memory.
+// low nibble first; null: 8) and bias [N] (may be null); `glu`: as a gated MLP's two matmuls in one
+// (Packed::glu). Returns false when out of memory, or for `glu` with a bias or an N it does not take.
 bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
           Packed* out, bool glu = false);
 void release(Packed* w);

@@ -4,8 +4,9 @@
 // specrt.Int4MatMul, the kernel of int4.h: inputs A [..., K] float, then B, scales, zero points (optional)
 // and bias (optional) as MatMulNBits has them; attributes K, N, bits (4), block_size, `path` ("auto" or
 // a path name from int4.h) and `glu` (optional, 1: the output is [..., N / 2], a gated MLP's activation
-// silu(Y[..., :N/2]) * Y[..., N/2:], int4.h's Packed::glu). The weights are packed once, when the session creates the kernel; a call
-// quantizes its rows once and spreads panels of output columns over onnxruntime's own intra-op threads.
+// silu(Y[..., :N/2]) * Y[..., N/2:], int4.h's Packed::glu). The weights are packed once, when the session
+// creates the kernel; a call quantizes its rows once and spreads panels of output columns over onnxruntime's
+// own intra-op threads.
 //
 // specrt.Attention, attention.h: inputs query [B, S, (H + 2 Hkv) D] (or [B, S, H D] with key and value
 // [B, S, Hkv D]), key, value (optional), past_key and past_value [B, Hkv, C, D], seqlens_k [B] int32,
