@@ -206,6 +206,11 @@ def _uses(graph) -> tuple[dict[str, list], set[str]]:
     return uses, {o.name for o in graph.output}
 
 
+def _unbiased_matmuls(graph) -> list:
+    """The graph's Int4MatMul nodes without a bias input: what a fold may extend."""
+    return [n for n in graph.node if n.op_type == OP and n.domain == DOMAIN and not (len(n.input) > 4 and n.input[4])]
+
+
 def _fold_bias(graph, inits: dict) -> int:
     """Each Add of a float constant of N values to an Int4MatMul's output, where that Add is the output's only
     use, becomes the matmul's bias: the kernel adds it to each output value as the Add did (one float
@@ -214,9 +219,7 @@ def _fold_bias(graph, inits: dict) -> int:
 
     uses, outputs = _uses(graph)
     drop = []
-    for node in graph.node:
-        if node.op_type != OP or node.domain != DOMAIN or (len(node.input) > 4 and node.input[4]):
-            continue
+    for node in _unbiased_matmuls(graph):
         out = node.output[0]
         add = uses.get(out, [])
         if out in outputs or len(add) != 1 or add[0].op_type != "Add" or add[0].domain not in ("", "ai.onnx"):
@@ -267,9 +270,7 @@ def _fuse_glu(graph, inits: dict, folder: Path) -> int:
         return node.input[1] if node.input[0] == name else node.input[0]
 
     drop = []
-    for mm in graph.node:
-        if mm.op_type != OP or mm.domain != DOMAIN or (len(mm.input) > 4 and mm.input[4]):
-            continue
+    for mm in _unbiased_matmuls(graph):
         N = _attrs(mm)["N"]
         split = only(mm.output[0], "Split")
         if split is None or N % 32 or len(split.output) != 2 or _attrs(split).get("axis") != -1:
