@@ -138,8 +138,8 @@ def priced_run(pair, meter: Meter, state: PolicyState, config: PolicyConfig, ids
     pair.draft_memory.keep(shared)
     pair.prompt_cache.keep(shared)
     meter.take()
-    stats = pair.run(ids, cfg).stats
-    stats["priced_s"] = meter.take()
+    res = pair.run(ids, cfg)
+    stats = dict(res.stats, priced_s=meter.take(), tokens=res.tokens)
     return stats
 
 
@@ -213,7 +213,7 @@ def main(argv=None) -> dict:
             for v in names[shift:] + names[:shift]:
                 s = run(v, p, a.max_new_tokens, shared)
                 res[v].setdefault(p.id, []).append((s["new_tokens"], s["wall_s"], s["rounds_skipped"], s["draft_len_hist"],
-                                                    s["priced_s"], s["rounds_by_drafter"]))
+                                                    s["priced_s"], s["rounds_by_drafter"], s["tokens"]))
         print("repeat", r, flush=True)
     cls = {p.id: p.kind for p in plist}
 
