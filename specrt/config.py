@@ -11,6 +11,7 @@ DRAFTERS = ("model", "ngram", "suffix", "hybrid")
 # Stop strings a request may give, and their length: enough for any use seen, and a bound on what a round
 # of matching costs (OpenAI's API takes at most 4).
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_NEW_TOKENS = 128  # a request's default length, wherever it is not given
 HISTORY_CAP = 262144  # tokens of earlier outputs a pair keeps for the suffix drafter by default (1 MB)
 
 
@@ -34,13 +35,13 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not _is_int(self.top_k):
-            raise ConfigError(f"top_k must be an integer, got {self.top_k!r}")
+            raise ConfigError(f"top_k must be an integer, got {self.top_k!r}", param="top_k")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}", param="temperature")
         if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k")
         if not (0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +52,7 @@ class SamplingConfig:
 class GenerationConfig:
     """One request: how many tokens, when to stop, how many draft tokens per round."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
     draft_len: int | str = 4  # "auto": chosen per round from measured acceptance and costs
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     seed: int = 0
@@ -60,35 +61,39 @@ class GenerationConfig:
     ngram_max: int = 16  # longest suffix the prompt-lookup drafter matches (longer matches rank as equal)
     confidence_stop: float = 0.0  # a model draft stops early once its top probability falls below this
     # The most tokens a draft model's catch-up pass reads; further behind, it starts over from the last
-    # ones (0: no limit; None: the device's default, spec.proposers.default_window).
+    # ones (0: no limit; None: the device's default, decoding.proposers.default_window).
     draft_window: int | None = None
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
-            raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}")
+            raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}", param="drafter")
         if not 1 <= self.ngram_max <= 16:
-            raise ConfigError(f"ngram_max must be in 1..16, got {self.ngram_max}")
+            raise ConfigError(f"ngram_max must be in 1..16, got {self.ngram_max}", param="ngram_max")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", param="max_new_tokens")
         if not _is_int(self.max_new_tokens):
-            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
+            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}", param="max_new_tokens")
         if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}")
+            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}", param="seed")
         if self.draft_len != "auto" and (not _is_int(self.draft_len) or self.draft_len < 0):
-            raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {self.draft_len!r}")
+            raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {self.draft_len!r}",
+                              param="draft_len")
         if self.draft_window is not None and (not _is_int(self.draft_window) or self.draft_window < 0):
-            raise ConfigError(f"draft_window must be an integer >= 0 (0 = no limit), got {self.draft_window!r}")
+            raise ConfigError(f"draft_window must be an integer >= 0 (0 = no limit), got {self.draft_window!r}",
+                              param="draft_window")
         if not 0.0 <= self.confidence_stop < 1.0:
-            raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}")
+            raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}",
+                              param="confidence_stop")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise ConfigError("stop must be a tuple of strings")
+            raise ConfigError("stop must be a tuple of strings", param="stop")
         if any(not s for s in self.stop):
-            raise ConfigError("stop strings must not be empty")
+            raise ConfigError("stop strings must not be empty", param="stop")
         for s in self.stop:
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError:
-                raise ConfigError(f"stop string {s[:20]!r} is not valid text (a lone surrogate)") from None
+                raise ConfigError(f"stop string {s[:20]!r} is not valid text (a lone surrogate)",
+                                  param="stop") from None
         if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
             raise ConfigError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each, got "
-                              f"{len(self.stop)} (longest {max(map(len, self.stop))})")
+                              f"{len(self.stop)} (longest {max(map(len, self.stop))})", param="stop")

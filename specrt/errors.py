@@ -14,7 +14,12 @@ class PairError(SpecrtError):
 
 
 class ConfigError(SpecrtError):
-    """A setting is out of range or inconsistent with the pair."""
+    """A setting is out of range or inconsistent with the pair; `param` names the request field at fault,
+    when one is (what a server's error object reports)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ExportError(SpecrtError):
@@ -23,3 +28,11 @@ class ExportError(SpecrtError):
 
 class FetchError(SpecrtError):
     """A named model cannot be fetched, or a fetched part is missing or corrupt."""
+
+
+def first_line(e: BaseException, last: bool = False, limit: int | None = None) -> str:
+    """The first (`last`: the last) line of `e`'s message, for a one-line error; its type's name when the
+    message is empty; at most `limit` characters when given."""
+    s = str(e).strip()
+    line = s.splitlines()[-1 if last else 0] if s else type(e).__name__
+    return line if limit is None else line[:limit]

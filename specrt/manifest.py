@@ -14,7 +14,8 @@ from specrt.errors import PairError
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "specrt-pair"
 FORMAT_VERSION = 1
-# The layouts of the caches (DESIGN §3): the delta graphs' past and new K/V, the lean graph's past/present.
+# The layouts of the caches (docs/design.md, "The KV-cache contract"): the delta graphs' past and new K/V,
+# the lean graph's past/present.
 KV_LAYOUT = "seq,batch,kv_heads,head_dim"
 LEAN_KV_LAYOUT = "batch,kv_heads,seq,head_dim"
 

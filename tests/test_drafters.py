@@ -244,13 +244,13 @@ def test_hybrid_skips_only_with_a_windowed_draft(qwen_pair):
 def test_a_skipping_hybrid_is_greedy_exact(qwen_pair, monkeypatch):
     """hybrid's model catching up on the last token only: drafts differ, the output does not."""
     gaps = []
-    propose = ModelProposer.propose
+    steps = ModelProposer.steps
 
     def counted(self, seq, *a, **kw):
         gaps.append(self.engine.length > 0 and self._unread(seq) > self.skip)
-        return propose(self, seq, *a, **kw)
+        return steps(self, seq, *a, **kw)
 
-    monkeypatch.setattr(ModelProposer, "propose", counted)
+    monkeypatch.setattr(ModelProposer, "steps", counted)
     monkeypatch.setattr(qwen_pair, "policy_config", replace(PolicyConfig(), skip=1))
     for prompt in REPETITIVE[:2]:
         base = qwen_pair.generate(prompt, max_new_tokens=48, draft_len=0)

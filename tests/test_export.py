@@ -655,3 +655,19 @@ def test_write_manifest_replaces_atomically(qwen_dir, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_manifest(d, m)
     assert (d / "manifest.json").read_bytes() == before and sorted(p.name for p in d.glob(".manifest*")) == []
+
+
+# ---------------------------------------------------------------- the memory preflight
+
+
+def test_export_memory_reading_honours_the_override(monkeypatch):
+    from specrt.export import pair
+
+    monkeypatch.setenv("SPECRT_MEM_AVAILABLE_BYTES", "12345")
+    assert pair._mem_available() == 12345
+    monkeypatch.setenv("SPECRT_MEM_AVAILABLE_BYTES", "lots")
+    with pytest.raises(ConfigError, match="SPECRT_MEM_AVAILABLE_BYTES"):
+        pair._mem_available()
+    monkeypatch.delenv("SPECRT_MEM_AVAILABLE_BYTES")
+    avail = pair._mem_available()
+    assert avail is None or avail > 0  # Linux: MemAvailable, in bytes

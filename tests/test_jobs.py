@@ -171,6 +171,23 @@ def test_batch_size_auto_also_times_plain_decoding_for_the_default_draft_len(qwe
     assert (recs["71"]["stats"]["draft_len"] == 0) == plain
 
 
+def test_a_sampled_record_depends_on_neither_its_place_nor_the_batch_size_nor_the_trial(qwen_dir, tmp_path):
+    """batch size auto with its plain-decoding trial, then a fixed batch size over the records reversed: a
+    sampled record drafts at the job's length whichever way it ran, so its draws, and tokens, are the same."""
+    lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 2 else {})} for i in range(72)]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    r = invoke(qwen_dir, "--input", write_jsonl(tmp_path / "in.jsonl", lines), "--output", first,
+               "--max-new-tokens", 6, "--no-progress")
+    assert r.exit_code == 0, r.output
+    r = invoke(qwen_dir, "--input", write_jsonl(tmp_path / "rev.jsonl", lines[::-1]), "--output", second,
+               "--max-new-tokens", 6, "--batch-size", 3, "--no-progress")
+    assert r.exit_code == 0, r.output
+    a, b = read_out(first), read_out(second)
+    for i in range(1, 72, 2):
+        assert a[str(i)]["tokens"] == b[str(i)]["tokens"], i
+        assert a[str(i)]["stats"]["draft_len"] == b[str(i)]["stats"]["draft_len"] > 0, i
+
+
 def test_output_of_another_job_is_refused(qwen_dir, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"def f{i}():"} for i in range(6)])
     out = tmp_path / "out.jsonl"

@@ -16,14 +16,15 @@ PKG = Path(__file__).resolve().parents[1] / "specrt"
 # what each room may import of specrt (itself included); a module is in the room of its first package level
 ALLOWED = {
     "errors": set(),
+    "host": {"errors"},
     "config": {"errors"},
     "manifest": {"errors"},
     "engines": {"engines", "errors", "config", "manifest"},
     "decoding": {"decoding", "errors", "config", "engines.base"},
-    "api": {"api", "decoding", "engines", "errors", "config", "manifest"},
-    "export": {"export", "engines", "errors", "config", "manifest"},
-    "apps": {"apps", "api", "decoding", "engines", "errors", "config", "manifest", "export"},
-    "cli": {"cli", "apps", "api", "decoding", "engines", "errors", "config", "manifest", "export"},
+    "api": {"api", "decoding", "engines", "errors", "config", "manifest", "host"},
+    "export": {"export", "engines", "errors", "config", "manifest", "host"},
+    "apps": {"apps", "api", "decoding", "engines", "errors", "config", "manifest", "export", "host"},
+    "cli": {"cli", "apps", "api", "decoding", "engines", "errors", "config", "manifest", "export", "host"},
     "__init__": {"api", "errors"},
     "__main__": {"cli"},
 }

@@ -214,7 +214,7 @@ def test_an_error_while_streaming_reaches_the_consumer(qwen_pair, monkeypatch):
     def boom(*a, **kw):
         raise RuntimeError("engine fell over")
 
-    monkeypatch.setattr(pair_mod, "decode", boom)
+    monkeypatch.setattr(pair_mod, "Decoder", boom)
     with pytest.raises(RuntimeError, match="engine fell over"):
         list(qwen_pair.stream(PROMPT, max_new_tokens=4))
     monkeypatch.undo()

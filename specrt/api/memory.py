@@ -9,8 +9,8 @@ with onnxruntime 1.32's CPU provider, bench/RESULTS.md "Memory"):
   reclaim: an allowance, not the table); the rest (norms, biases, rotary tables) is small. Pairs
   exported before the manifest recorded this (`ModelEntry.weights`) are counted at their size on disk;
 - KV caches: per model `layers x 2 (K and V) x tokens x batch x kv_heads x head_dim x itemsize`,
-  allocated in full when the pair loads (DESIGN §3) and resident as a sequence fills them: counted
-  for `tokens` (max_len unless asked), so they are linear in it;
+  allocated in full when the pair loads (docs/design.md, "The KV-cache contract") and resident as a
+  sequence fills them: counted for `tokens` (max_len unless asked), so they are linear in it;
 - logits buffers: the engines' output buffers (target: max_draft_len + 1 rows, draft: 1 row, each
   `logits_width` float32 values) twice over, for the copies the sampler makes;
 - a workspace: Python, numpy and onnxruntime themselves, the loaded tokenizer (about 8.5 times its
@@ -28,18 +28,18 @@ is skipped.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from specrt import host
 from specrt.engines.cuda import libcuda as _libcuda
 from specrt.engines.select import PREFILL_CHUNK
 from specrt.errors import ConfigError, PairError
 from specrt.manifest import Manifest, ModelEntry
 
-ENV_AVAILABLE = "SPECRT_MEM_AVAILABLE_BYTES"
+ENV_AVAILABLE = host.ENV_AVAILABLE
 ENV_GPU_AVAILABLE = "SPECRT_GPU_MEM_AVAILABLE_BYTES"  # the same knob for the GPU's free memory
 MB = 1 << 20
 # Measured (bench/RESULTS.md "Memory"): Python with numpy and onnxruntime imported, 47 MB; the Qwen2.5
@@ -177,23 +177,10 @@ def parse_budget(text: str) -> tuple[str, int, int]:
     return f"{n} bytes", n, 0
 
 
-def _env_bytes(name: str) -> int | None:
-    env = os.environ.get(name, "").strip()
-    if not env:
-        return None
-    try:
-        value = int(env)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"{name} must be a number of bytes (an integer >= 0), got {env!r}")
-    return value
-
-
 def gpu_free_bytes(device_id: int = 0) -> int | None:
     """Free memory of CUDA device `device_id`: $SPECRT_GPU_MEM_AVAILABLE_BYTES, else the driver's
     cuMemGetInfo in the device's primary context (the one onnxruntime uses too), else None."""
-    env = _env_bytes(ENV_GPU_AVAILABLE)
+    env = host.env_bytes(ENV_GPU_AVAILABLE)
     if env is not None:
         return env
 
@@ -213,19 +200,7 @@ def gpu_free_bytes(device_id: int = 0) -> int | None:
     return free.value if ok else None
 
 
-def available_bytes() -> int | None:
-    """Memory available to a new allocation: $SPECRT_MEM_AVAILABLE_BYTES, else MemAvailable, else None."""
-    env = _env_bytes(ENV_AVAILABLE)
-    if env is not None:
-        return env
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+available_bytes = host.available_bytes  # $SPECRT_MEM_AVAILABLE_BYTES, else MemAvailable, else None
 
 
 def fmt(n: int) -> str:

@@ -23,9 +23,9 @@ import numpy as np
 
 from specrt.api import memory, requests
 from specrt.api.text import TextCodec, TextStream
-from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig
-from specrt.decoding.batch import BatchDecoder, Request
-from specrt.decoding.decode import Result, Stats, decode
+from specrt.config import HISTORY_CAP, GenerationConfig
+from specrt.decoding.batch import BatchDecoder
+from specrt.decoding.decode import Decoder, Request, Result, Single
 from specrt.decoding.policy import CostModel, PolicyConfig, PolicyState, build
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import DraftMemory, History, model_drafter
@@ -33,22 +33,6 @@ from specrt.engines import select
 from specrt.errors import ConfigError, PairError
 from specrt.manifest import read_manifest, verify_files
 
-FINISH_REASONS = ("eos", "length", "stop", "cancelled")
-
-
-def _stops(stop) -> tuple[str, ...]:
-    """`stop=` accepts one string or a list of them (a bare string is one stop string, not its letters)."""
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    try:
-        stops = tuple(stop)
-    except TypeError:
-        raise ConfigError(f"stop must be a string or a list of strings, got {type(stop).__name__}") from None
-    if any(not isinstance(s, str) for s in stops):
-        raise ConfigError("stop must be a string or a list of strings")
-    return stops
 
 
 def _cancel_fn(cancel) -> Callable[[], bool] | None:
@@ -163,18 +147,22 @@ class Pair:
             self.state.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()},
                                          draft_read_s=c.get("draft_read_s"))
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
-                 stop: str | tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-                 on_text: Callable[[str], None] | None = None, cancel=None, draft_window: int | None = None) -> Result:
+    def generate(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
+                 drafter: str | None = None, on_text: Callable[[str], None] | None = None, cancel=None,
+                 draft_window: int | None = None, confidence_stop: float | None = None,
+                 ngram_max: int | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
-        temperature 0 is greedy; draft_len 0 is plain target-only decoding through the same engine,
-        "auto" picks each round's length from measured acceptance and costs; default: what
+        A setting left None takes its default (config.GenerationConfig, config.SamplingConfig): 128 new
+        tokens, greedy, seed 0. temperature 0 is greedy; draft_len 0 is plain target-only decoding through
+        the same engine, "auto" picks each round's length from measured acceptance and costs; default: what
         `specrt tune` chose for this pair, else "auto".
-        `drafter`: "model" (the pair's draft model), "ngram" (prompt lookup, no draft model needed)
-        or "hybrid" (the policy chooses between the two each round); default: what `specrt tune` chose,
-        else "hybrid" if the pair has a draft model, else "ngram".
+        `drafter`: "model" (the pair's draft model), "ngram" (prompt lookup, no draft model needed),
+        "suffix" (prompt lookup and earlier outputs) or "hybrid" (the policy chooses between a lookup and
+        the model each round); default: what `specrt tune` chose, else "hybrid" if the pair has a draft
+        model, else "ngram".
         `chat=True` wraps a text prompt in the tokenizer's chat template as a user message.
         `stop`: a string or a list of strings; the text ends before the first one that appears.
         `on_text` receives the text as it is produced (stop strings never reach it), in this thread.
@@ -182,17 +170,20 @@ class Pair:
         pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
         `draft_window`: the most tokens the draft model reads in one catch-up pass (the prompt, what
         n-gram rounds emitted); further behind, it reads only the last ones (0: no limit). Default:
-        32 on the CPU, no limit on a GPU, alone and as a batch row (spec.proposers.default_window).
+        32 on the CPU, no limit on a GPU, alone and as a batch row (decoding.proposers.default_window).
+        `confidence_stop`: a model draft stops early once its top probability falls below this.
+        `ngram_max`: the longest suffix prompt lookup matches (1..16).
         """
-        cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
-                          drafter=drafter, draft_window=draft_window,
-                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+        cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
+                                 confidence_stop=confidence_stop, ngram_max=ngram_max))
         return self.run(self.encode(prompt, chat), cfg, on_text, cancel)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int = 0, draft_len: int | str | None = None,
-               stop: str | tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-               cancel=None, draft_window: int | None = None) -> Stream:
+    def stream(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
+               drafter: str | None = None, cancel=None, draft_window: int | None = None,
+               confidence_stop: float | None = None, ngram_max: int | None = None) -> Stream:
         """Like `generate`, but return an iterator of text chunks as they are produced.
 
             with pair.stream("def fib(n):", max_new_tokens=64) as s:
@@ -206,9 +197,9 @@ class Pair:
         generation at its next round and waits for it; `result` then has finish_reason "cancelled".
         The Pair is busy until the stream is exhausted or closed.
         """
-        cfg = self.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=_stops(stop),
-                          drafter=drafter, draft_window=draft_window,
-                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
+        cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
+                                 confidence_stop=confidence_stop, ngram_max=ngram_max))
         ids = self.encode(prompt, chat)
         fn = _cancel_fn(cancel)
         self._check_open()
@@ -232,6 +223,11 @@ class Pair:
         `specrt tune` or the defaults; `batched`: as a row of a batch; with `prompt`, checked against the pair)."""
         return requests.resolve(self.manifest, self.tuned, self.draft is not None, batched=batched, prompt=prompt, **kw)
 
+    def settings(self, fields: dict, batched: bool = False, prompt: list[int] | None = None) -> GenerationConfig:
+        """A request's GenerationConfig from its raw settings by name (api/requests.FIELDS, e.g. a JSON
+        record's; None or absent: the default), each checked (api/requests.parse), then `config`."""
+        return self.config(batched=batched, prompt=prompt, **requests.parse(fields))
+
     def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False) -> None:
         """Raise ConfigError for a request this pair cannot run (api/requests.check)."""
         requests.check(self.manifest, prompt, cfg, draft_left_out=self.draft_left_out, batched=batched)
@@ -250,25 +246,8 @@ class Pair:
         return TextStream(self.codec, stop)
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
-        if isinstance(prompt, str):
-            if chat:
-                prompt = self.codec.apply_chat_template([{"role": "user", "content": prompt}])
-            ids = self.codec.encode(prompt)
-        else:
-            if isinstance(prompt, (bytes, bytearray, dict)):
-                raise ConfigError(f"the prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-            try:
-                ids = list(prompt)
-            except TypeError:
-                raise ConfigError(f"the prompt must be a str or a list of token ids, got {type(prompt).__name__}") from None
-            if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
-                raise ConfigError("a prompt given as a list must hold integer token ids")
-            ids = [int(i) for i in ids]
-            if any(not 0 <= i < self.manifest.vocab_size for i in ids):
-                raise ConfigError(f"prompt token ids must be in 0..{self.manifest.vocab_size - 1}")
-        if not ids:
-            raise ConfigError("the prompt is empty")
-        return ids
+        """A prompt as token ids (api/requests.prompt_ids: the one rule of every front end)."""
+        return requests.prompt_ids(self.codec, self.manifest.vocab_size, prompt=prompt, chat=chat)
 
     def run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None = None,
             cancel=None) -> Result:
@@ -321,46 +300,16 @@ class Pair:
 
     def _run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None,
              cancel: Callable[[], bool] | None) -> Result:
-        """One generation; the caller holds the lock."""
-
-        m = self.manifest
+        """One generation; the caller holds the lock. A batch of one over the pair's batch-1 engines: the
+        round and the end of request of every batch (decoding/decode.Decoder)."""
         self.check(prompt, cfg)
-
-        def cancelled_now() -> bool:
-            return self._closing.is_set() or (cancel is not None and bool(cancel()))
-
         if not self.share_prefix:
             self.forget_caches()
-        if cancelled_now():
-            stats = Stats(draft_len=cfg.draft_len, prompt_tokens=len(prompt)).as_dict()
-            self.last_result = Result(tokens=[], text="", finish_reason="cancelled", stats=stats)
-            return self.last_result
-        stream = TextStream(self.codec, cfg.stop)
-        cancelled = False
-
-        def on_tokens(new: list[int]) -> bool:  # once per round: the round's accepted tokens
-            nonlocal cancelled
-            chunk = stream.feed(new)
-            if chunk and on_text is not None:
-                on_text(chunk)
-            if stream.stopped:
-                return True
-            cancelled = cancelled_now()
-            return cancelled
-
-        tokens, reason, stats = decode(self.target, self.policy(cfg), prompt, cfg, m.vocab_size,
-                                       frozenset(m.eos_token_ids), on_tokens, self.prompt_cache)
-        if self.state.history is not None:
-            self.state.history.add(tokens)  # what the suffix proposer drafts from in later requests
-        tail = stream.finish()
-        if tail and on_text is not None:
-            on_text(tail)
-        if stream.stopped:
-            tokens = tokens[: stream.n_tokens]
-            stats.new_tokens = len(tokens)  # tokens accepted past the stop string are not output
-        elif cancelled:
-            reason = "length" if len(tokens) >= cfg.max_new_tokens else "cancelled"
-        self.last_result = Result(tokens=tokens, text=stream.text, finish_reason=reason, stats=stats.as_dict())
+        dec = Decoder(Single(self.target, self.prompt_cache), lambda: Single(self.draft), self.manifest.vocab_size,
+                      frozenset(self.manifest.eos_token_ids), lambda r, c: self.policy(c), text=self.text_stream,
+                      history=self.state.history)
+        req = Request(None, prompt, cfg, on_text, lambda: self._closing.is_set() or (cancel is not None and bool(cancel())))
+        (_, self.last_result), = dec.run([req])
         return self.last_result
 
     def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: PolicyConfig | None = None):
@@ -482,26 +431,29 @@ class Stream:
         return "".join(self)
 
 
-def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int = 128, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, seed: int | list[int] = 0, draft_len: int | None = None,
-                   stop: tuple[str, ...] | list[str] = (), chat: bool = False, drafter: str | None = None,
-                   confidence_stop: float | None = None, totals: dict | None = None) -> list:
+def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int | None = None,
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   seed: int | list[int] | None = None, draft_len: int | None = None, stop: str | list[str] | None = None,
+                   chat: bool = False, drafter: str | None = None, confidence_stop: float | None = None,
+                   draft_window: int | None = None, ngram_max: int | None = None, totals: dict | None = None) -> list:
     """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
 
-    `seed` is one seed for every prompt (each then gets what `pair.generate(prompt, seed=seed)` gets)
-    or a list with one per prompt. `totals`, if given, receives the batch totals (BatchTotals.as_dict).
+    Settings as `pair.generate`'s, but for `draft_len`: a batch's rows draft a fixed length (default: what
+    `specrt tune` chose, else min(4, the pair's max_draft_len)). `seed` is one seed for every prompt (each
+    then gets what `pair.generate(prompt, seed=seed)` gets) or a list with one per prompt. `totals`, if
+    given, receives the batch totals (decoding.decode.Totals.as_dict).
     """
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    sampling_cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  draft_len=draft_len, stop=stop, drafter=drafter, confidence_stop=confidence_stop,
+                  draft_window=draft_window, ngram_max=ngram_max)
     reqs = []
     with BatchDecoder(pair, batch_size) as dec:
         for i, (p, s) in enumerate(zip(prompts, seeds)):
             ids = pair.encode(p, chat)
-            cfg = pair.config(batched=True, prompt=ids, max_new_tokens=max_new_tokens, draft_len=draft_len, seed=s,
-                              stop=tuple(stop), drafter=drafter, confidence_stop=confidence_stop, sampling=sampling_cfg)
-            reqs.append(Request(i, ids, cfg))
+            reqs.append(Request(i, ids, pair.settings({**fields, "seed": s}, batched=True, prompt=ids)))
         out = dict(dec.run(reqs))
         if totals is not None:
             totals.update(dec.totals.as_dict())

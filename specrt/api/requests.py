@@ -16,9 +16,12 @@ use_tuned=False); a tuned drafter that needs a draft model that is not loaded is
 """
 from __future__ import annotations
 
+import json
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from specrt.config import GenerationConfig, needs_draft_model
+from specrt.config import GenerationConfig, SamplingConfig, needs_draft_model
 from specrt.errors import ConfigError
 
 
@@ -67,12 +70,12 @@ def check_settings(m, cfg: GenerationConfig, draft_left_out: bool = False, batch
     k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
     if k > m.max_draft_len:
         raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
-                          "(set at export with --max-draft-len)")
+                          "(set at export with --max-draft-len)", param="draft_len")
     if needs_draft_model(cfg.drafter, k) and (m.draft is None or draft_left_out):
         what = ("the pair was loaded without its draft model" if m.draft is not None
                 else "this pair has no draft model")
         raise ConfigError(f"{what}, which drafter {cfg.drafter!r} needs; use drafter 'ngram' or 'suffix', "
-                          "or draft_len 0")
+                          "or draft_len 0", param="drafter")
 
 
 def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
@@ -89,3 +92,101 @@ def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = Fa
         fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
         raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
                           f"exceeds max_len {m.max_len}; {fix}")
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+class RequestError(ConfigError):
+    """A request's field is missing or of the wrong kind; `param` names it (an HTTP 400)."""
+
+
+# The settings every front end takes by these names (Python keywords, a JSONL record, an OpenAI body's
+# specrt fields, CLI flags), each with what its value must be. None anywhere means "unset": the default.
+_KINDS = {"max_new_tokens": "int", "temperature": "num", "top_k": "int", "top_p": "num", "seed": "int",
+          "stop": "stops", "draft_len": "draft_len", "drafter": "str", "draft_window": "int",
+          "confidence_stop": "num", "ngram_max": "int"}
+FIELDS = tuple(_KINDS)
+_WHAT = {"int": "an integer", "num": "a number", "str": "a string", "stops": "a string or a list of strings",
+         "draft_len": "an integer or 'auto'"}
+
+
+def _value(name: str, v):
+    kind, bad = _KINDS[name], False
+    if kind == "int":
+        bad = isinstance(v, bool) or not isinstance(v, numbers.Integral)
+        v = v if bad else int(v)
+    elif kind == "num":
+        bad = isinstance(v, bool) or not isinstance(v, numbers.Real)
+        v = v if bad else float(v)
+    elif kind == "str":
+        bad = not isinstance(v, str)
+    elif kind == "draft_len":
+        bad = v != "auto" and (isinstance(v, bool) or not isinstance(v, numbers.Integral))
+        v = v if bad or v == "auto" else int(v)
+    elif isinstance(v, str):
+        v = (v,)  # one stop string, not its letters
+    elif isinstance(v, Iterable) and not isinstance(v, (bytes, bytearray, Mapping)):
+        v = tuple(v)
+        bad = not all(isinstance(s, str) for s in v)
+    else:
+        bad = True
+    if bad:
+        raise RequestError(f"{name} must be {_WHAT[kind]}, got {json.dumps(v, default=repr)[:80]}", param=name)
+    return v
+
+
+def parse(fields: Mapping) -> dict:
+    """The request settings among `fields` (any of FIELDS; other keys are the caller's), each checked for
+    its kind: keyword arguments for `resolve` (unset ones left out). Ranges are GenerationConfig's checks."""
+    out = {name: _value(name, fields[name]) for name in FIELDS if fields.get(name) is not None}
+    sampling = {n: out.pop(n) for n in ("temperature", "top_k", "top_p") if n in out}
+    if sampling:
+        out["sampling"] = SamplingConfig(**sampling)
+    return out
+
+
+def prompt_ids(codec, vocab_size: int, prompt=None, messages=None, chat: bool = False) -> list[int]:
+    """A request's prompt as token ids, the one rule for every front end: `prompt` text (with `chat`, wrapped
+    as one user message), a list of token ids, or `messages` ([{role, content}], content a string or a list
+    of text parts) through the tokenizer's chat template."""
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+            clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
+        return _nonempty(codec.encode(codec.apply_chat_template(clean)))
+    if isinstance(prompt, str):
+        if chat:
+            prompt = codec.apply_chat_template([{"role": "user", "content": prompt}])
+        return _nonempty(codec.encode(prompt))
+    if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Iterable):
+        raise RequestError(f"the prompt must be a str or a list of token ids, got {type(prompt).__name__}",
+                           param="prompt")
+    ids = list(prompt)
+    if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids):
+        raise RequestError("a prompt given as a list must hold integer token ids", param="prompt")
+    ids = [int(i) for i in ids]
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise RequestError(f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
+    return _nonempty(ids)
+
+
+def _content(content, i: int) -> str:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"messages[{i}]: 'content' must be a string or a list of text parts", param="messages")
+
+
+def _nonempty(ids: list[int]) -> list[int]:
+    if not ids:
+        raise RequestError("the prompt is empty", param="prompt")
+    return ids

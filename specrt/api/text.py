@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specrt.errors import ConfigError, PairError
+from specrt.errors import ConfigError, PairError, first_line
 
 
 class TextCodec:
@@ -15,7 +15,7 @@ class TextCodec:
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:
-            raise PairError(f"cannot load the tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}") from None
+            raise PairError(f"cannot load the tokenizer {path}: {first_line(e)}") from None
         self.chat_template, self.special = None, {}
         cfg_path = pair_dir / "tokenizer_config.json"
         if cfg_path.is_file():

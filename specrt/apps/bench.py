@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.config import SamplingConfig
+from specrt.config import MAX_NEW_TOKENS, SamplingConfig
 from specrt.decoding.batch import BatchDecoder, Request
 from specrt.decoding.proposers import History
 from specrt.errors import ConfigError
@@ -74,7 +74,7 @@ def settings_grid(draft_lens: list, drafters: list[str], confidence_stops: list[
     return grid
 
 
-def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int = 128, repeats: int = 3,
+def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int = MAX_NEW_TOKENS, repeats: int = 3,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, drafters: list[str] = ("model",),
               progress=None, confidence_stops: list[float] = (0.0,)) -> dict:
     settings = settings_grid(draft_lens, drafters, confidence_stops)
@@ -192,7 +192,7 @@ def format_table(res: dict) -> str:
 
 
 def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_lens: list[int],
-                    max_new_tokens: int = 128, repeats: int = 1, sampling: SamplingConfig = SamplingConfig(),
+                    max_new_tokens: int = MAX_NEW_TOKENS, repeats: int = 1, sampling: SamplingConfig = SamplingConfig(),
                     seed: int = 0, drafter: str = "model", progress=None) -> dict:
     """Aggregate tokens/s per (draft length, batch size): the whole prompt list runs through one
     BatchDecoder (slots are refilled as rows finish), rate = generated tokens / wall seconds of that

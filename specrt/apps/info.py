@@ -14,6 +14,7 @@ from specrt.engines import int4
 from specrt.engines import ort as ort_engines
 from specrt.errors import PairError, SpecrtError
 from specrt.manifest import read_manifest, verify_files
+from specrt.config import MAX_NEW_TOKENS
 
 
 def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
@@ -165,7 +166,7 @@ def _engines(m, ort_version) -> list[dict]:
     return out
 
 
-def measure(pair_dir: Path, max_new_tokens: int = 128, draft_model: bool = True) -> dict:
+def measure(pair_dir: Path, max_new_tokens: int = MAX_NEW_TOKENS, draft_model: bool = True) -> dict:
     """Load the pair on the CPU and run one greedy generation of a built-in chat prompt: this process's peak
     resident memory afterwards, beside the estimate for the same number of cache positions.
     `draft_model=False`: the target alone, drafting by prompt lookup."""

@@ -46,10 +46,10 @@ from typing import Any
 from specrt.api import requests
 from specrt.api.pair import load
 from specrt.api.text import TextCodec
-from specrt.config import HISTORY_CAP, GenerationConfig, SamplingConfig, needs_draft_model
+from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, GenerationConfig, needs_draft_model
 from specrt.decoding.batch import BatchDecoder, Request
 from specrt.decoding.proposers import History
-from specrt.errors import ConfigError, SpecrtError
+from specrt.errors import ConfigError, SpecrtError, first_line
 from specrt.manifest import read_manifest, sha256_file
 
 JOB_FORMAT = "specrt-batch-job"
@@ -70,7 +70,7 @@ class JobSettings:
     None means the pair's default (what `specrt tune` stored, else api/requests.defaults).
     draft_len "auto": generate's per-round policy, one record at a time (batch size 1, see `Runner`)."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int = MAX_NEW_TOKENS
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -113,41 +113,22 @@ def record_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") >> 1
 
 
-def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
-    def num(name, kind):
-        v = rec.get(name, getattr(s, name))
-        if isinstance(v, bool) or not isinstance(v, kind):
-            raise ValueError(f'"{name}" must be {"an integer" if kind is int else "a number"}, got {v!r}')
-        return v
+# what a record may set for itself; the rest of its settings are the job's (and part of its identity)
+RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 
-    stop = rec.get("stop", ())
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop):
-        raise ValueError('"stop" must be a string or a list of strings')
-    seed = num("seed", int) if "seed" in rec else seed
-    sampling = SamplingConfig(temperature=float(num("temperature", (int, float))), top_k=num("top_k", int),
-                              top_p=float(num("top_p", (int, float))))
-    return GenerationConfig(max_new_tokens=num("max_new_tokens", int), draft_len=s.draft_len, sampling=sampling,
-                            seed=seed, stop=tuple(stop), drafter=s.drafter, confidence_stop=s.confidence_stop)
+
+def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
+    """A record's settings: the job's, overridden by the record's own RECORD_FIELDS (api/requests.parse)."""
+    fields = {**{f: getattr(s, f, None) for f in RECORD_FIELDS}, "seed": seed,
+              **{f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}}
+    return GenerationConfig(draft_len=s.draft_len, drafter=s.drafter, confidence_stop=s.confidence_stop,
+                            **requests.parse(fields))
 
 
 def _encode(codec, m, rec: dict, chat: bool) -> list[int]:
-    if "messages" in rec:
-        msgs = rec["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(x, dict) for x in msgs):
-            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
-        return codec.encode(codec.apply_chat_template(msgs))
-    p = rec.get("prompt")
-    if isinstance(p, str):
-        if chat:
-            p = codec.apply_chat_template([{"role": "user", "content": p}])
-        return codec.encode(p)
-    if isinstance(p, list):
-        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < m.vocab_size for i in p):
-            raise ValueError(f'a "prompt" list must hold token ids in 0..{m.vocab_size - 1}')
-        return list(p)
-    raise ValueError('needs "prompt" (a string or a list of token ids) or "messages"')
+    if "messages" not in rec and "prompt" not in rec:
+        raise ValueError('needs "prompt" (a string or a list of token ids) or "messages"')
+    return requests.prompt_ids(codec, m.vocab_size, prompt=rec.get("prompt"), messages=rec.get("messages"), chat=chat)
 
 
 def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], str]:
@@ -430,7 +411,8 @@ class Runner:
     `try_plain`: with "auto", also time each size without drafting (draft_len 0) and keep whichever of
     the two is faster there. Batching and speculation compete for the same spare compute: measured on
     the int4 pair, drafting pays at batch 1 and costs at batch 4 and 8 (bench/RESULTS.md). Only for jobs
-    whose draft length is the pair's default, not one the user asked for.
+    whose draft length is the pair's default, not one the user asked for, and only for greedy records
+    (a sampled record always drafts at the job's length, so its draws never depend on the trial).
 
     Requests with draft_len "auto" (a job's draft length is one for all its records; run_job allows it at
     batch size 1 or "auto", which then means 1) run one at a time through `Pair.run`, the path of
@@ -447,7 +429,9 @@ class Runner:
         self._dec = None
 
     def _cfg(self, cfg: GenerationConfig, plain: bool) -> GenerationConfig:
-        return replace(cfg, draft_len=0) if plain and cfg.draft_len else cfg
+        # Only a greedy record may run without drafting: its tokens are the same either way, where a sampled
+        # record's draws follow its draft length, which must not depend on its position or the trial.
+        return replace(cfg, draft_len=0) if plain and cfg.draft_len and cfg.sampling.greedy else cfg
 
     def results(self, requests):
         reqs, i = list(requests), 0
@@ -615,7 +599,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             summary["batch_size"] = runner.chosen
         elif ray is not None:
             summary["batch_size"] = _run_ray(ray, pair_dir, pending, batch_size, out, bar, ray_actors,
-                                             ray_cpus_per_actor, log, try_plain)
+                                             ray_cpus_per_actor, log, try_plain, history_cap)
         else:
             log(f"nothing to run: all {len(records)} records are in {output_path}")
         summary["wall_s"] = time.perf_counter() - t0
@@ -643,8 +627,9 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 class RayWorker:
     """A Ray actor (wrapped by ray.remote at run time): loads the pair once, decodes shards."""
 
-    def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False, draft_model: bool = True):
-        self.pair = load(pair_dir, threads=threads, device="cpu", draft_model=draft_model)
+    def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False, draft_model: bool = True,
+                 history_cap: int = HISTORY_CAP):
+        self.pair = load(pair_dir, threads=threads, device="cpu", draft_model=draft_model, history_cap=history_cap)
         self.runner = Runner(self.pair, batch_size, try_plain=try_plain)
 
     def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:
@@ -678,7 +663,7 @@ def _ray_start(address: str, init: dict | None):
     try:
         ray.init(**kw)
     except Exception as e:  # ray raises ConnectionError, RuntimeError, ValueError... with long texts
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         raise JobError(f"cannot start or join Ray at {address}: {msg}") from None
     return ray, True
 
@@ -689,7 +674,8 @@ def _needs_draft(pending: list[Record]) -> bool:
 
 
 def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOutput, bar: _Progress,
-             actors: int | None, cpus_per_actor: int, log, try_plain: bool = False) -> int | str:
+             actors: int | None, cpus_per_actor: int, log, try_plain: bool = False,
+             history_cap: int = HISTORY_CAP) -> int | str:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     n = actors or max(1, cpus // cpus_per_actor)
     size = 32 if batch_size == "auto" else max(8, 4 * int(batch_size))
@@ -697,8 +683,8 @@ def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOut
     shards = [pending[i:i + size] for i in range(0, len(pending), size)]
     log(f"ray: {n} actors x {cpus_per_actor} CPU, {len(shards)} shards of <= {size} records")
     Worker = ray.remote(num_cpus=cpus_per_actor)(RayWorker)
-    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, try_plain, _needs_draft(pending))
-               for _ in range(n)]
+    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, try_plain, _needs_draft(pending),
+                             history_cap) for _ in range(n)]
     ids = {r.key: r.id for r in pending}
     queue = list(reversed(shards))
     inflight = {}
@@ -718,8 +704,7 @@ def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOut
         try:
             done, b = ray.get(ready[0])
         except Exception as e:
-            msg = str(e).strip().splitlines()
-            raise JobError(f"a Ray actor failed: {msg[-1] if msg else type(e).__name__}; "
+            raise JobError(f"a Ray actor failed: {first_line(e, last=True)}; "
                            "the records written so far are kept, rerun to resume") from None
         chosen.add(b)
         for key, res in done:

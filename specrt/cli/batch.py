@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import batch_size_value, draft_len_value, errors
-from specrt.config import HISTORY_CAP
+from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS
 
 
 @click.command()
@@ -20,7 +20,7 @@ from specrt.config import HISTORY_CAP
 @click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
               help="Sequences decoded together, or 'auto': measure 1, 2, 4, 8 on the first records, keep the fastest "
                    "(with --draft-len auto: 1).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most new tokens per record (a record's own value wins).")
+@click.option("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, show_default=True, help="Most new tokens per record (a record's own value wins).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy (a record's own value wins).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens, 0 = off (a record's own value wins).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep, 1.0 = off (a record's own value wins).")

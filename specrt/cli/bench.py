@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import batch_size_list, command_line, device_option, draft_len_list, errors, load_pair
+from specrt.config import MAX_NEW_TOKENS
 
 
 @click.command()
@@ -18,7 +19,7 @@ from specrt.cli.common import batch_size_list, command_line, device_option, draf
 @click.option("--prompt", "prompt_text", default=None, help="A single chat prompt instead of --prompts.")
 @click.option("--draft-lens", default="0,1,2,3,4,6,8", show_default=True, callback=draft_len_list,
               help="Comma-separated draft lengths to compare (0 = target only; 'auto' allowed).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Tokens per generation.")
+@click.option("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, show_default=True, help="Tokens per generation.")
 @click.option("--repeats", type=int, default=3, show_default=True, help="Timed repeats (median reported).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--drafters", default=None,

@@ -8,12 +8,13 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import device_option, draft_len_value, errors, load_pair
+from specrt.config import MAX_NEW_TOKENS
 
 
 @click.command()
 @click.argument("pair_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Prompt text (with --chat: the user message).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Most tokens to generate.")
+@click.option("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, show_default=True, help="Most tokens to generate.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
@@ -42,17 +43,16 @@ from specrt.cli.common import device_option, draft_len_value, errors, load_pair
 def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
              draft_window, ngram_max, stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
-    from specrt.config import SamplingConfig, needs_draft_model
+    from specrt.config import needs_draft_model
     from specrt.manifest import read_manifest
 
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     # prompt lookup alone (or no drafting) leaves the draft model out: its load time and a fifth of the memory
     chosen = drafter or ((read_manifest(pair_dir).tuned or {}).get("drafter") if draft_len != 0 else None)
     model = needs_draft_model(chosen, draft_len)
     with load_pair(pair_dir, device, draft_model=model) as pair:
-        cfg = pair.config(max_new_tokens=max_new_tokens, draft_len=draft_len, seed=seed, stop=tuple(stop),
-                          drafter=drafter, confidence_stop=confidence_stop, draft_window=draft_window,
-                          ngram_max=ngram_max, sampling=sampling)
+        cfg = pair.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, stop=list(stop), draft_len=draft_len, drafter=drafter,
+                                 confidence_stop=confidence_stop, draft_window=draft_window, ngram_max=ngram_max))
         ids = pair.encode(prompt, chat=chat)
         stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
         res = pair.run(ids, cfg, on_text=stream)

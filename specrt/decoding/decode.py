@@ -1,14 +1,20 @@
-"""The speculative round (DESIGN §4), batch 1.
+"""The speculative round (docs/design.md, "The round"), over the rows of a batch: a request alone is a
+batch of one.
 
 Invariant: the last emitted token is not yet in the target's cache; a proposer's next input is the
 part of the committed sequence its cache has not seen. Who drafts and how far is the policy's
-(decoding/policy.py); what a draft is, the proposer's (decoding/proposers.py); the accept test, sampling's.
+(decoding/policy.py); what a draft is, the proposer's (decoding/proposers.py); the accept test, sampling's;
+which engine a row lives in, its `Rows` (`Single` here: one batch-1 engine; batch.Ragged: a row of a
+batched engine). `Decoder` starts a request, runs rounds over every row still going, and ends a request
+the same way whatever the rows are, so a request's output and what it leaves behind (the history of
+outputs, the cache's kept prefix) do not depend on whether it ran alone or in a batch.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -16,8 +22,12 @@ from specrt.config import GenerationConfig
 from specrt.decoding import sampling
 from specrt.decoding.policy import Policy, Round
 from specrt.decoding.prefix import PromptCache
-from specrt.decoding.proposers import NOTHING
+from specrt.decoding.proposers import NOTHING, History, Proposal
 from specrt.engines.base import Engine
+
+# What a request iterator yields for "none now, ask again next round" (a server's queue being empty):
+# free rows stay free, and `Decoder.run` returns once no row is left.
+WAIT = object()
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,19 @@ class Result:
     text: str  # decoded generated text (ends before a stop string)
     finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
     stats: dict  # see Stats.as_dict
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: `key` is returned with its result, `prompt` token ids, `cfg` its settings;
+    `on_text(chunk)` sees its text as rounds emit it, `cancel()` returning True ends it after a round
+    (finish reason "cancelled"; before its prompt is read: no tokens)."""
+
+    key: Any
+    prompt: list[int]
+    cfg: GenerationConfig
+    on_text: Callable[[str], None] | None = None
+    cancel: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -50,6 +73,7 @@ class Stats:
     prompt_cached: int = 0  # prompt tokens whose target cache entries were kept from an earlier request
     ttft_s: float = 0.0
     wall_s: float = 0.0
+    batch_size: int = 1  # rows of the batch it ran in
 
     def count(self, r: Round) -> None:
         """Add one round."""
@@ -80,6 +104,95 @@ class Stats:
         return d
 
 
+@dataclass
+class Totals:
+    """What the batch as a whole did (per-request numbers are in each result's stats)."""
+
+    batch_size: int = 0
+    requests: int = 0
+    new_tokens: int = 0
+    target_passes: int = 0  # verify passes (prefills counted apart)
+    draft_passes: int = 0  # draft passes, catch-up chunks included
+    prefills: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    row_rounds: int = 0  # sum over verify passes of the rows taking part
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
+        d["acceptance_rate"] = self.accepted / self.proposed if self.proposed else 0.0
+        d["occupancy"] = self.row_rounds / (self.target_passes * self.batch_size) if self.target_passes else 0.0
+        return d
+
+
+class Rows(Protocol):
+    """One model's engine seen as the rows of a batch, each holding its own sequence."""
+
+    batch: int
+    passes: int  # passes run so far
+
+    def prefill(self, r: int, prompt: list[int], share_prefix: bool) -> tuple[np.ndarray, int]:
+        """Row r := `prompt` (keeping what its slots kept of earlier prompts where that is exact, when
+        `share_prefix`); returns (the last position's logits [W], the prompt tokens kept)."""
+    def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+        """Append feeds[r] to row r (other rows sit out). Returns {r: logits [n, W]}: last=True, n = 1 (the
+        row's last fed token); else every fed position."""
+    def keep(self, r: int, n: int) -> None:
+        """Row r keeps the first n tokens of its sequence."""
+    def release(self, r: int, seq: list[int] | None = None) -> None:
+        """Row r's request ended; `seq` (prompt + output, None: its prompt was never read) is what its slots
+        hold, which a later prompt may keep where that is exact."""
+
+
+class Single:
+    """One batch-1 engine as the only row of a batch (a request alone; `prompt_cache`: what the engine's
+    cache kept of earlier prompts, decoding/prefix.py)."""
+
+    batch = 1
+
+    def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None):
+        self.e, self.passes = engine, 0
+        self.prompts, self.keeps = prompt_cache or PromptCache(), prompt_cache is not None
+
+    def prefill(self, r: int, prompt: list[int], share_prefix: bool = True) -> tuple[np.ndarray, int]:
+        if not share_prefix:
+            self.prompts.forget()
+        return self.prompts.read(self.e, prompt)
+
+    def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+        (r, t), = feeds.items()
+        self.passes += 1
+        at = np.array([len(t) - 1]) if last else np.arange(len(t))
+        return {r: self.e.forward(np.array([t]), at)[0]}  # [n, W]
+
+    def keep(self, r: int, n: int) -> None:
+        self.e.truncate(min(n, self.e.length))
+
+    def release(self, r: int, seq: list[int] | None = None) -> None:
+        if seq is not None and self.keeps:
+            self.prompts.extend(self.e, seq)  # what decoding wrote, where that is exact
+
+
+class TokenStream:
+    """A request's output without text (no tokenizer): `on_tokens(new)` sees each round's tokens and
+    returns True to end the request (finish reason "stop")."""
+
+    text = ""
+
+    def __init__(self, on_tokens: Callable[[list[int]], bool] | None = None):
+        self.on_tokens, self.stopped, self.n_tokens = on_tokens, False, 0
+
+    def feed(self, new: list[int]) -> str:
+        self.n_tokens += len(new)
+        self.stopped = bool(self.on_tokens is not None and self.on_tokens(new))
+        return ""
+
+    def finish(self) -> str:
+        return ""
+
+
 def emit(new: list[int], eos_ids: frozenset[int], room: int) -> tuple[list[int], str]:
     """The part of a round's tokens that is output: never past EOS (reason "eos") or `room` tokens."""
     for i, t in enumerate(new):
@@ -88,57 +201,217 @@ def emit(new: list[int], eos_ids: frozenset[int], room: int) -> tuple[list[int],
     return new[:room], ""
 
 
+@dataclass
+class _Row:
+    req: Request
+    stream: Any  # api/text.TextStream, or TokenStream
+    policy: Policy
+    stats: Stats
+    rng: np.random.Generator
+    seq: list[int]
+    start: float = field(default_factory=time.perf_counter)
+    out: list[int] = field(default_factory=list)
+    reason: str = ""
+    read: bool = False  # its prompt is in the target's cache
+    proposer: Any = None  # this round's
+    k: int = 0  # drafts this round's plan asked for
+    result: Result | None = None
+
+    @property
+    def cfg(self) -> GenerationConfig:
+        return self.req.cfg
+
+
+class Decoder:
+    """Decodes requests over the `target.batch` rows of `target` (and of the draft model's rows, made by
+    `draft()` on first need: a target-only run allocates no draft cache). `policy(r, cfg)` builds a
+    request's policy and proposers for row r; `text(stop)` its text stream (None: no text, TokenStream);
+    `history`: where every finished request's output goes (the suffix proposer drafts from it)."""
+
+    def __init__(self, target: Rows, draft: Callable[[], Rows], vocab: int, eos_ids: frozenset[int],
+                 policy: Callable[[int, GenerationConfig], Policy], text: Callable[[tuple[str, ...]], Any] | None = None,
+                 history: History | None = None, share_prefix: bool = True):
+        self.target, self._make_draft, self._draft = target, draft, None
+        self.vocab, self.eos, self.policy_for, self.history = vocab, eos_ids, policy, history
+        self.text, self.share_prefix = text or (lambda stop: TokenStream()), share_prefix
+        self.B = target.batch
+        self.totals = Totals(batch_size=self.B)
+
+    @property
+    def draft(self) -> Rows:
+        if self._draft is None:
+            self._draft = self._make_draft()
+        return self._draft
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Any, Result]]:
+        """Yield (key, Result) for each request, in order of completion. Requests are pulled lazily, one
+        whenever a row is free; an iterator may yield WAIT for "none now"."""
+        for row in self.finished(requests):
+            yield row.req.key, row.result
+
+    def finished(self, requests: Iterable[Request]) -> Iterator[_Row]:
+        """`run`, yielding each finished row (its `result`, and its `stats` as a Stats)."""
+        it, rows, exhausted = iter(requests), [None] * self.B, False
+        t0, c0 = time.perf_counter(), self._draft_passes()
+        try:
+            while True:
+                for r in range(self.B):
+                    while rows[r] is None and not exhausted:
+                        req = next(it, None)
+                        if req is None:
+                            exhausted = True
+                        elif req is WAIT:
+                            break
+                        elif (row := self._start(r, req)).reason:  # done at its first token, or cancelled
+                            yield self._finish(r, row)
+                        else:
+                            rows[r] = row
+                active = [(r, row) for r, row in enumerate(rows) if row is not None]
+                if not active:
+                    break
+                self._round(active)
+                for r, row in active:
+                    if row.reason:
+                        rows[r] = None
+                        yield self._finish(r, row)
+        finally:
+            self.totals.wall_s += time.perf_counter() - t0
+            self.totals.draft_passes += self._draft_passes() - c0
+
+    def _draft_passes(self) -> int:
+        return self._draft.passes if self._draft is not None else 0
+
+    def _round(self, active: list[tuple[int, _Row]]) -> None:
+        # 1. Plan: each row's policy picks who drafts and how far (a round emits at most k + 1 tokens).
+        for r, row in active:
+            left = row.cfg.max_new_tokens - len(row.out)
+            row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left)
+        # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position.
+        t0 = time.perf_counter()
+        drafts = self._propose([(r, row) for r, row in active if row.k])
+        # 3. Verify every row's last token and drafts in one target pass.
+        t1 = time.perf_counter()
+        logits = self.target.forward({r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}, last=False)
+        t2 = time.perf_counter()
+        self.totals.target_passes += 1
+        self.totals.row_rounds += len(active)
+        for r, row in active:
+            # 4. Accept a prefix of the row's drafts, and one more token from the target.
+            draft, lg = drafts.get(r, NOTHING), logits[r][:, :self.vocab]  # [k'+1, V]
+            n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng)
+            new = [*draft.tokens[:n].tolist(), t]
+            # 5. Commit: the verified slots stay; rejected ones go by moving the lengths back.
+            self.target.keep(r, len(row.seq) + n)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
+            row.policy.commit(len(row.seq) + n)
+            done = Round(row.proposer, row.k, draft, n, new, lg, draft_s=t1 - t0, verify_s=t2 - t1)
+            row.policy.observe(done)
+            row.stats.count(done)
+            self.totals.proposed += len(draft.tokens)
+            self.totals.accepted += n
+            # 6. Emit, and end the request at EOS, a stop string, max_new_tokens or its cancel.
+            self._emit(row, new)
+
+    def _propose(self, rows: list[tuple[int, _Row]]) -> dict[int, Proposal]:
+        """Each row's proposal: its proposer's steps (proposers.ModelProposer.steps), driven together."""
+        done, steps, feeds, catchup = {}, {}, {}, {}
+        for r, row in rows:
+            g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.cfg.confidence_stop)
+            try:
+                feeds[r], steps[r] = next(g), g
+            except StopIteration as s:  # needs no pass (a lookup)
+                done[r] = s.value
+        while feeds:
+            t0 = time.perf_counter()
+            logits = self.draft.forward(feeds, last=True)
+            for r, feed in feeds.items():
+                if len(feed) > 2 and r not in catchup:  # catching up on what it missed: not a draft step's cost
+                    catchup[r] = (time.perf_counter() - t0, len(feed))
+            feeds = {}
+            for r, g in list(steps.items()):
+                try:
+                    feeds[r] = g.send(logits[r][0])  # [W]
+                except StopIteration as s:
+                    del steps[r]
+                    done[r] = s.value
+        for r, (seconds, tokens) in catchup.items():
+            p = done[r]
+            done[r] = Proposal(p.tokens, p.p_draft, p.passes, seconds, tokens)
+        return done
+
+    def _start(self, r: int, req: Request) -> _Row:
+        cfg = req.cfg
+        policy = self.policy_for(r, cfg)
+        k = policy.max_k
+        row = _Row(req=req, stream=self.text(cfg.stop), policy=policy, rng=np.random.default_rng(cfg.seed),
+                   seq=list(req.prompt), stats=Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k,
+                                                     accepted_at=[0] * k, prompt_tokens=len(req.prompt),
+                                                     batch_size=self.B))
+        self.totals.requests += 1
+        if req.cancel is not None and req.cancel():  # cancelled while it waited: its prompt is not read
+            row.reason = "cancelled"
+            return row
+        # The target reads the prompt (but what its row kept of an earlier one); the last position gives
+        # the first token.
+        logits, row.stats.prompt_cached = self.target.prefill(r, row.seq, self.share_prefix)
+        x = sampling.pick(logits[:self.vocab], cfg.sampling, row.rng)
+        row.read = True
+        self.totals.prefills += 1
+        row.stats.target_passes = 1
+        row.stats.ttft_s = time.perf_counter() - row.start
+        policy.start(row.seq)  # a model proposer reads the prompt in its first draft pass
+        self._emit(row, [x])
+        return row
+
+    def _emit(self, row: _Row, new: list[int]) -> None:
+        """Output a round's tokens: never past EOS or max_new_tokens; a stop string or the cancel ends it."""
+        new, reason = emit(new, self.eos, row.cfg.max_new_tokens - len(row.out))
+        row.out += new
+        row.seq += new
+        if new:
+            chunk = row.stream.feed(new)
+            if chunk and row.req.on_text is not None:
+                row.req.on_text(chunk)
+            if row.stream.stopped:
+                reason = "stop"
+        if reason or len(row.out) >= row.cfg.max_new_tokens:
+            row.reason = reason or "length"
+        elif row.req.cancel is not None and row.req.cancel():
+            row.reason = "cancelled"
+
+    def _finish(self, r: int, row: _Row) -> _Row:
+        """A request's end, the same for every row: free its rows, cut its output at the stop string, add
+        the output to the history, and make its Result."""
+        self.target.release(r, row.seq if row.read else None)
+        if self._draft is not None:
+            self._draft.release(r, None)
+        tail = row.stream.finish()
+        if tail and row.req.on_text is not None:
+            row.req.on_text(tail)
+        tokens = row.out[:row.stream.n_tokens] if row.stream.stopped else row.out  # not past the stop string
+        if self.history is not None:
+            self.history.add(tokens)  # later requests draft from it (the suffix proposer)
+        st = row.stats
+        if row.read:
+            for name, value in row.policy.finish(len(row.out)).items():
+                setattr(st, name, value)
+        st.new_tokens, st.wall_s = len(tokens), time.perf_counter() - row.start
+        self.totals.new_tokens += len(tokens)
+        row.result = Result(tokens=tokens, text=row.stream.text, finish_reason=row.reason, stats=st.as_dict())
+        return row
+
+
 def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
            prompt_cache: PromptCache | None = None) -> tuple[list[int], str, Stats]:
-    """Generate after `prompt`. Returns (tokens, finish reason "eos" | "length" | "stop", stats).
+    """One request alone on batch-1 engines: the target, and the draft model's that `policy` drafts with.
+    Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
     `on_tokens(new)` sees each round's emitted tokens (EOS excluded) and returns True to stop. Only the
     first `vocab` logits are used, which masks padding rows of larger output matrices. `prompt_cache`:
     what the target's cache kept of earlier prompts (decoding/prefix.py; None: the prompt is read whole).
     """
-    rng, k = np.random.default_rng(cfg.seed), policy.max_k
-    stats = Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k, accepted_at=[0] * k,
-                  prompt_tokens=len(prompt))
-    start = time.perf_counter()
-    # 1. Prefill: the target reads the prompt (but the whole chunks it kept of an earlier one); its last
-    #    position gives the first token.
-    logits, stats.prompt_cached = (prompt_cache or PromptCache()).read(target, prompt)
-    new, seq, out = [sampling.pick(logits[:vocab], cfg.sampling, rng)], list(prompt), []
-    stats.target_passes, stats.ttft_s = 1, time.perf_counter() - start
-    policy.start(prompt)
-    while True:
-        # 2. Emit, and stop at EOS, at max_new_tokens, or when the caller says so.
-        new, reason = emit(new, eos_ids, cfg.max_new_tokens - len(out))
-        out += new
-        seq += new
-        if on_tokens is not None and new and on_tokens(new):
-            reason = "stop"
-        if reason or len(out) >= cfg.max_new_tokens:
-            break
-        # 3. Plan: who drafts and how far (a round emits at most k + 1 tokens).
-        left = cfg.max_new_tokens - len(out)
-        proposer, k = policy.plan(seq, min(policy.max_k, left - 1), left)
-        # 4. Draft up to k tokens (p_draft None: point masses, or greedy).
-        t0 = time.perf_counter()
-        draft = proposer.propose(seq, k, cfg.sampling, rng, cfg.confidence_stop) if k else NOTHING
-        d = draft.tokens  # [k'] k' <= k
-        # 5. Verify the last token and all drafts in one target pass.
-        base, t1 = target.length, time.perf_counter()  # the target has seen seq[:-1]
-        logits = target.forward(np.array([[seq[-1], *d]]), np.arange(len(d) + 1))[0, :, :vocab]  # [k'+1, V]
-        t2 = time.perf_counter()
-        # 6. Accept a prefix of the drafts, and one more token from the target.
-        n, t = sampling.accept(d, draft.p_draft, logits, cfg.sampling, rng)
-        new = [*d[:n].tolist(), t]
-        # 7. Commit: the verified slots stay; rejected ones go by moving the lengths back.
-        target.truncate(base + 1 + n)
-        policy.commit(len(seq) + n)
-        r = Round(proposer, k, draft, n, new, logits, draft_s=t1 - t0, verify_s=t2 - t1)
-        policy.observe(r)
-        stats.count(r)
-    if prompt_cache is not None:
-        prompt_cache.extend(target, seq)  # what decoding wrote, where that is exact
-    stats.new_tokens, stats.wall_s = len(out), time.perf_counter() - start
-    for name, value in policy.finish(len(out)).items():
-        setattr(stats, name, value)
-    return out, reason or "length", stats
+    model = getattr(policy, "model", None)
+    dec = Decoder(Single(target, prompt_cache), lambda: Single(model.engine), vocab, eos_ids, lambda r, c: policy,
+                  text=lambda stop: TokenStream(on_tokens))
+    row, = dec.finished([Request(0, prompt, cfg)])
+    return row.result.tokens, row.result.finish_reason, row.stats

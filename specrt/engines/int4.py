@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.errors import PairError
+from specrt.errors import PairError, first_line
 
 DOMAIN, OP, ATTENTION = "specrt", "Int4MatMul", "Attention"
 ENV = "SPECRT_INT4_KERNEL"
@@ -331,7 +331,7 @@ def plan(model_path: Path, choice: str | None = None):
     try:
         model = onnx.load(os.fspath(model_path), load_external_data=False)
     except Exception as e:  # onnx and protobuf raise their own types for a damaged file
-        raise PairError(f"cannot load {model_path}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+        raise PairError(f"cannot load {model_path}: {first_line(e)}") from None
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
     attn = [n for n in model.graph.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     if not nodes and not attn:
@@ -383,7 +383,7 @@ def session_source(model_path: Path, so, choice: str | None = None):
     try:
         so.register_custom_ops_library(os.fspath(library()))
     except Exception as e:  # onnxruntime raises its own error types; the library says why in one line
-        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        why = first_line(e, last=True)
         why = why.split(" : FAIL : ", 1)[-1]  # onnxruntime's "[ONNXRuntimeError] : 1 : FAIL : " before the library's
         raise PairError(f"{why}; rebuild specrt (pip install -e .) or set {ENV}=off for onnxruntime's own "
                         "kernels") from None

@@ -2,12 +2,12 @@
 
 `ort_engine(...)` opens the right one for a manifest entry:
 
-- `LeanEngine` (`entry.graph == "lean"`, DESIGN §3): per layer one K and one V buffer `[B, Hkv, C, D]`,
-  allocated once on the device the model runs on, bound as both the past and the present of
-  GroupQueryAttention, which reads each row's valid prefix and writes its new entries in place at that
-  row's own length. Each row has its own length; a rollback is a shorter length next call. Every call has
-  the same input and output addresses, so on a GPU each pass shape is captured once as a CUDA graph and
-  replayed.
+- `LeanEngine` (`entry.graph == "lean"`, docs/design.md "The KV-cache contract"): per layer one K and one
+  V buffer `[B, Hkv, C, D]`, allocated once on the device the model runs on, bound as both the past and
+  the present of GroupQueryAttention, which reads each row's valid prefix and writes its new entries in
+  place at that row's own length. Each row has its own length; a rollback is a shorter length next call.
+  Every call has the same input and output addresses, so on a GPU each pass shape is captured once as a
+  CUDA graph and replayed.
 - `DeltaEngine` (the standard-op "portable" graph TensorRT builds from, and graphs exported before the
   lean one): sequence-major buffers `[C, B, Hkv, D]`; a call binds the valid prefix `[0:P]` as the past
   and the graph's new-K/V outputs at `[P:P+S]` (`kv_offset`), so onnxruntime writes the new entries
@@ -25,7 +25,7 @@ import numpy as np
 
 from specrt.engines import int4
 from specrt.engines.cuda import cuda_device_count
-from specrt.errors import PairError
+from specrt.errors import PairError, first_line
 from specrt.manifest import ModelEntry
 
 _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
@@ -100,15 +100,11 @@ def session_options(threads: int | None = None, spinning: bool = True):
     # a small int4 op) and stop spinning when the run ends (force_spinning_stop), so the draft's idle
     # pool never steals the cores of the target's pass that follows, nor the other way round. Measured
     # on 2 cores, real pair, int4: draft step 12.0 -> 9.8 ms, target step 32.7 -> 29.4 ms, against no
-    # spinning at all; spinning without the stop made alternating sessions 0.74x (measured-here.md).
+    # spinning at all; spinning without the stop made alternating sessions 0.74x.
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if spinning:
         so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0, threads: int | None = None,
@@ -148,9 +144,9 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
             break
         except Exception as e:  # onnxruntime raises its own types with multi-line text
             if capture:
-                note = f"CUDA graphs are off for {path.parent.name}: onnxruntime refused to capture ({_first_line(e)})"
+                note = f"CUDA graphs are off for {path.parent.name}: onnxruntime refused to capture ({first_line(e)})"
                 continue
-            raise PairError(f"cannot load {path}: {_first_line(e)}") from None
+            raise PairError(f"cannot load {path}: {first_line(e)}") from None
     # onnxruntime falls back to the CPU when the CUDA provider fails to load (a missing cuDNN, say) with
     # only a log line: a silent 20x slowdown, so refuse instead.
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
@@ -502,7 +498,7 @@ class _CudaGraphs:
         try:
             e.session.run_with_iobinding(bufs["io"], _run_options(self.ids[key]))
         except Exception as ex:  # noqa: BLE001 - capture refused at run time: run uncaptured from now on
-            e.note = f"CUDA graphs are off for {e.entry.path}: onnxruntime could not capture a pass ({_first_line(ex)})"
+            e.note = f"CUDA graphs are off for {e.entry.path}: onnxruntime could not capture a pass ({first_line(ex)})"
             warnings.warn(e.note, RuntimeWarning, stacklevel=3)
             e._graphs = None
             return None

@@ -1,7 +1,8 @@
 """The exported decoder graphs, written as torch modules over the Hugging Face model's own submodules.
 
 Both reuse the model's embeddings, projections, norms and MLPs and replace only the attention
-bookkeeping, so each graph has exactly the interface the runtime binds (DESIGN §3).
+bookkeeping, so each graph has exactly the interface the runtime binds (docs/design.md, "The KV-cache
+contract").
 
 The lean graph (`LeanDecoder`, onnxruntime on the CPU and CUDA): a handful of fused onnxruntime ops
 per layer over per-row caches that attention reads and writes in place.

@@ -6,7 +6,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from specrt.errors import ExportError
+from specrt.errors import ExportError, first_line
 from specrt.export.fetch import KNOWN_MODELS, fetch_model
 
 
@@ -57,8 +57,7 @@ def _download_from_hub(repo_id: str) -> Path:
 
         return Path(snapshot_download(repo_id, allow_patterns=list(HUB_FILES)))
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"cannot download {repo_id} from the Hugging Face hub ({reason[:200]}); "
+        raise ExportError(f"cannot download {repo_id} from the Hugging Face hub ({first_line(e, limit=200)}); "
                           "pass a local model folder or GGUF file instead") from None
 
 
@@ -68,7 +67,7 @@ def load_config(src: Source):
     try:
         return AutoConfig.from_pretrained(src.folder, **src.kwargs())
     except Exception as e:
-        raise ExportError(f"cannot read the model config of {src.spec}: {_first_line(e)}") from None
+        raise ExportError(f"cannot read the model config of {src.spec}: {first_line(e, limit=300)}") from None
 
 
 def save_tokenizer(src: Source, out: Path) -> Path:
@@ -84,7 +83,7 @@ def save_tokenizer(src: Source, out: Path) -> Path:
         try:
             tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
         except Exception as e:
-            raise ExportError(f"cannot load the tokenizer of {src.spec}: {_first_line(e)}") from None
+            raise ExportError(f"cannot load the tokenizer of {src.spec}: {first_line(e, limit=300)}") from None
         tok.save_pretrained(out)
     if not (out / "tokenizer.json").is_file():
         raise ExportError(f"the tokenizer of {src.spec} has no fast (tokenizer.json) form, which specrt needs")
@@ -103,7 +102,7 @@ def load_model(src: Source, dtype: str = "float32"):
     try:
         model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=getattr(torch, dtype), **src.kwargs())
     except Exception as e:
-        raise ExportError(f"cannot load the model {src.spec}: {_first_line(e)}") from None
+        raise ExportError(f"cannot load the model {src.spec}: {first_line(e, limit=300)}") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -139,7 +138,3 @@ def eos_ids(src: Source, config, tokenizer_file: Path | None = None) -> list[int
                 flat.append(int(j))
     return flat
 
-
-def _first_line(e: Exception) -> str:
-    s = str(e).strip()
-    return (s.splitlines()[0] if s else type(e).__name__)[:300]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import glob
-import json
 import logging
 import os
 import shutil
@@ -17,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt import host
 from specrt.engines import trt
-from specrt.errors import ExportError
+from specrt.errors import ExportError, first_line
 from specrt.export import load, trt_build
 from specrt.export import vocab as draft_vocab
 from specrt.export.graph import SUPPORTED_MODEL_TYPES
@@ -265,14 +265,7 @@ def preflight(configs: dict, folder: Path, precision: str) -> None:
                           f"{avail / 1e9:.1f} GB are available; close other programs or use a machine with more memory")
 
 
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+_mem_available = host.available_bytes  # bytes, None when unknown; $SPECRT_MEM_AVAILABLE_BYTES overrides it
 
 
 def check_tokenizers(tok_files: dict[str, Path], widths: dict[str, int]) -> int:
@@ -289,7 +282,7 @@ def check_tokenizers(tok_files: dict[str, Path], widths: dict[str, int]) -> int:
         try:
             tok = Tokenizer.from_file(str(f))
         except Exception as e:
-            raise ExportError(f"cannot read the {role} tokenizer {f}: {str(e).splitlines()[0]}") from None
+            raise ExportError(f"cannot read the {role} tokenizer {f}: {first_line(e)}") from None
         vocabs[role] = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     if "draft" in vocabs:
         t, d = vocabs["target"], vocabs["draft"]
@@ -585,7 +578,3 @@ def _version() -> str:
         return version("specrt")
     except PackageNotFoundError:
         return "dev"
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=2))

@@ -23,12 +23,12 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from specrt.apps.serve.scheduler import QueueFull, Scheduler, ShuttingDown
-from specrt.config import DRAFTERS, MAX_STOP_CHARS, MAX_STOPS, GenerationConfig, SamplingConfig
+from specrt.api import requests
+from specrt.config import GenerationConfig
 from specrt.errors import SpecrtError
 
 log = logging.getLogger("specrt.serve")
@@ -83,47 +83,22 @@ def _field(body: dict, name: str, kinds, default=None):
     return v
 
 
-def _text(content, where: str) -> str:
-    """A message's content: a string, or OpenAI's list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise APIError(400, f"{where}: only text content parts are supported", param="messages")
-            parts.append(p["text"])
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise APIError(400, f"{where}: 'content' must be a string or a list of text parts", param="messages")
-
-
 def prompt_ids(pair, body: dict, chat: bool) -> list[int]:
-    """The request's prompt as token ids: chat messages through the pair's chat template, or `prompt`."""
+    """The request's prompt as token ids (api/requests.prompt_ids): chat `messages`, or `prompt` (OpenAI
+    also allows a list holding one prompt)."""
     if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
+        where, fields = "messages", {"messages": body.get("messages")}
+        if fields["messages"] is None:
             raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-            clean.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]")})
-        text = pair.codec.apply_chat_template(clean)
-        return pair.codec.encode(text)
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # one prompt in a list
-    if isinstance(p, str):
-        if not p:
-            raise APIError(400, "'prompt' is empty", param="prompt")
-        return pair.codec.encode(p)
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return pair.encode(p)  # token ids, range-checked
-    if p is None:
-        raise APIError(400, "'prompt' is required", param="prompt")
-    raise APIError(400, "'prompt' must be a string, a list of token ids, or a list holding one of them", param="prompt")
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # one prompt in a list
+        where, fields = "prompt", {"prompt": p}
+    try:
+        return requests.prompt_ids(pair.codec, pair.manifest.vocab_size, **fields)
+    except SpecrtError as e:  # a bad field, the chat template failing
+        raise APIError(400, str(e), param=getattr(e, "param", None) or where) from None
 
 
 def _off(value, noops: tuple) -> bool:
@@ -133,7 +108,9 @@ def _off(value, noops: tuple) -> bool:
 
 
 def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettings | None = None) -> GenerationConfig:
-    """The request's fields as a GenerationConfig; max_tokens is bounded by the room the cache leaves."""
+    """The request's settings (api/requests.parse, with OpenAI's names and defaults: `max_tokens` or
+    `max_completion_tokens`, temperature 1 in [0, 2], a random seed); max_tokens is bounded by the room the
+    cache leaves."""
     for name, noops in UNSUPPORTED.items():
         if body.get(name) is not None and not _off(body[name], noops):
             allowed = " or ".join(json.dumps(n) for n in noops)
@@ -145,43 +122,25 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
                             f"({m.max_draft_len + 1} of them kept for drafting)", param="messages" if "messages" in body else "prompt",
                        code="context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _field(body, name, (int,))
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name)
-    temperature = float(_field(body, "temperature", (int, float), 1.0))
-    if not 0.0 <= temperature <= 2.0:
-        raise APIError(400, f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
-    top_p = float(_field(body, "top_p", (int, float), 1.0))
-    if not 0.0 < top_p <= 1.0:
-        raise APIError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _field(body, "top_k", (int,), 0)
-    if top_k < 0:
-        raise APIError(400, f"'top_k' must be >= 0 (0 = off), got {top_k}", param="top_k")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise APIError(400, f"'stop' takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters each "
-                            f"(got {len(stop)})", param="stop")
-    seed = _field(body, "seed", (int,))
-    if seed is not None and seed < 0:
-        raise APIError(400, f"'seed' must be >= 0, got {seed}", param="seed")
-    draft_len = body.get("draft_len", defaults.draft_len if defaults else None)
-    if draft_len is not None and draft_len != "auto" and (not isinstance(draft_len, int) or isinstance(draft_len, bool)
-                                                          or not 0 <= draft_len <= m.max_draft_len):
-        raise APIError(400, f"'draft_len' must be 'auto' or an integer in 0..{m.max_draft_len}, got {json.dumps(draft_len)}",
-                       param="draft_len")
-    drafter = _field(body, "drafter", (str,), defaults.drafter if defaults else None)
-    if drafter is not None and drafter not in DRAFTERS:
-        raise APIError(400, f"'drafter' must be one of {', '.join(DRAFTERS)}, got {drafter!r}", param="drafter")
+    fields = {f: body.get(f) for f in requests.FIELDS if f != "max_new_tokens"}
+    fields.update(max_new_tokens=body.get(name), temperature=1.0 if body.get("temperature") is None else body["temperature"])
+    for f in ("draft_len", "drafter"):
+        if fields[f] is None and defaults is not None:
+            fields[f] = getattr(defaults, f)
     try:
-        cfg = pair.config(draft_len=draft_len, drafter=drafter, max_new_tokens=min(max_tokens or room, room),
-                          sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
-                          seed=secrets.randbits(31) if seed is None else seed, stop=tuple(stop))
+        kw = requests.parse(fields)
+        given = kw.get("max_new_tokens")
+        if given is not None and given < 1:
+            raise requests.RequestError(f"'{name}' must be >= 1, got {given}", param=name)
+        if not kw["sampling"].temperature <= 2.0:
+            raise requests.RequestError(f"'temperature' must be in [0, 2], got {kw['sampling'].temperature}",
+                                        param="temperature")
+        kw.update(max_new_tokens=min(given or room, room), seed=kw.get("seed", secrets.randbits(31)))
+        cfg = pair.config(**kw)
         pair.check(prompt, cfg)
     except SpecrtError as e:
-        raise APIError(400, str(e)) from None
+        param = getattr(e, "param", None)
+        raise APIError(400, str(e), param=name if param == "max_new_tokens" else param) from None
     return cfg
 
 
@@ -282,10 +241,6 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        return error_response(APIError(400, str(e).splitlines()[0]))
-
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.error("%s %s -> 500: %s: %s", request.method, request.url.path, type(e).__name__, e)
@@ -358,10 +313,7 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
 
     async def complete(request: Request, chat: bool):
         body = await read_body(request)
-        try:
-            prompt = prompt_ids(pair, body, chat)
-        except SpecrtError as e:  # the chat template failed, token ids out of range
-            raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        prompt = prompt_ids(pair, body, chat)
         cfg = generation_config(pair, body, prompt, settings)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
