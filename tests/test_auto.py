@@ -12,7 +12,7 @@ from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joi
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.decoding.decode import decode
-from specrt.decoding.policy import Auto, PolicyConfig, Calibration, Controller, CostModel, Fixed, PolicyState
+from specrt.decoding.policy import Batch, Auto, PolicyConfig, Calibration, Controller, CostModel, Fixed, PolicyState
 from specrt.decoding.proposers import History, LookupProposer, ModelProposer
 from specrt.errors import ConfigError
 
@@ -502,3 +502,14 @@ def test_plain_rounds_follow_the_targets_confidence(draft, agrees):
             assert plain >= 15, stats.draft_len_hist
         else:
             assert plain >= stats.rounds - 2, stats.draft_len_hist
+
+
+def test_a_busy_batch_drafts_while_a_draft_token_is_worth_its_cost_at_the_batchs_rate():
+    """In a batch a row's k maximises E(k) - rate * (what its tokens add to the pass + its draft steps): here
+    each draft token adds 2 ms to the pass and 2 ms of draft, and position i is accepted with 0.9^i."""
+    costs = CostModel(draft_s=0.002, target_s={1: 0.05, 10: 0.06, 20: 0.08})
+    c = Controller(8, costs, accept=[0.9] * 8)
+    assert c.best(8, batch=Batch(10, 10.0))[0] == 8  # a token's cost is 0.04 tokens at this rate
+    assert c.best(8, batch=Batch(10, 200.0))[0] == 2  # 0.8 tokens: worth it while 0.9^i > 0.8
+    assert c.best(8, batch=Batch(10, 1000.0))[0] == 0  # 4 tokens: never
+    assert c.choose(8, behind=50, remaining=100, batch=Batch(10, 10.0)) == 8  # no lone catch-up gate in a batch

@@ -249,8 +249,7 @@ def test_rows_match_batch_one(request, which):
 def test_bad_requests(qwen_pair):
     pair, m = qwen_pair, qwen_pair.manifest
     ok = GenerationConfig(max_new_tokens=8, draft_len=2)
-    with pytest.raises(ConfigError, match="fixed draft_len"):
-        check(m, [5], dataclasses.replace(ok, draft_len="auto"), batched=True)
+    check(m, [5], dataclasses.replace(ok, draft_len="auto"), batched=True)  # auto is a batch row's too
     check(m, [5], dataclasses.replace(ok, draft_window=16), batched=True)  # a row reads by the lone run's window
     with pytest.raises(ConfigError, match="max_draft_len"):
         check(m, [5], dataclasses.replace(ok, draft_len=m.max_draft_len + 1), batched=True)
@@ -265,9 +264,9 @@ def test_bad_requests(qwen_pair):
         check(m, [], ok, batched=True)
     with pytest.raises(ConfigError, match="batch size"):
         BatchDecoder(pair, 0)
-    with BatchDecoder(pair, 2) as dec:
-        with pytest.raises(ConfigError, match="fixed draft_len"):
-            list(dec.run([Request(0, [5], dataclasses.replace(ok, draft_len="auto"))]))
+    with BatchDecoder(pair, 2) as dec:  # auto is a batch row's too
+        (_, res), = dec.run([Request(0, [5, 6, 7], dataclasses.replace(ok, draft_len="auto"))])
+    assert res.tokens == pair.generate([5, 6, 7], max_new_tokens=ok.max_new_tokens, draft_len=0).tokens
 
 
 def test_batch_that_does_not_fit_in_memory_is_refused(qwen_pair, monkeypatch):

@@ -8,8 +8,8 @@ its caller gave into a `GenerationConfig` through `resolve`; `defaults` is the r
 - a row of a batch (`batched=True`): every row of a pass drafts at one fixed length, so the tuned length
   if it is a number, else min(4, max_draft_len); drafter the tuned one, else the draft model (batches were
   measured with it), or prompt lookup without one;
-- a server's request resolved to run alone but run as a batch row (`as_batch_row`): its "auto" becomes
-  the server's batch draft length.
+- a server's request run as a batch row while the server fixes batched rows' length (`as_batch_row`):
+  its "auto" becomes that length.
 
 `tuned` is the pair's stored `specrt tune` result (Pair.tuned; {} when untuned or loaded with
 use_tuned=False); a tuned drafter that needs a draft model that is not loaded is ignored.
@@ -57,16 +57,14 @@ def resolve(m, tuned: dict | None, has_draft: bool, *, batched: bool = False, pr
 
 
 def as_batch_row(cfg: GenerationConfig, batch_draft_len: int) -> GenerationConfig:
-    """A request resolved to run alone, run as a row of a batch instead (the server, when several wait):
-    draft_len "auto" becomes `batch_draft_len`, since the rows of a pass share one fixed length."""
+    """A request resolved to run alone, run as a row of a batch whose rows the server fixes at
+    `batch_draft_len` (`specrt serve --batch-draft-len`): draft_len "auto" becomes that length."""
     return replace(cfg, draft_len=batch_draft_len) if cfg.draft_len == "auto" else cfg
 
 
 def check_settings(m, cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
     """Raise ConfigError for settings the pair cannot run whatever the prompt: a draft length above its
     max_draft_len ("auto" as a batch row), a drafter that needs a draft model it lacks."""
-    if batched and cfg.draft_len == "auto":
-        raise ConfigError("batched decoding needs a fixed draft_len (an integer), not 'auto'")
     k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
     if k > m.max_draft_len:
         raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "

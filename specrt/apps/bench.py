@@ -197,9 +197,8 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
     """Aggregate tokens/s per (draft length, batch size): the whole prompt list runs through one
     BatchDecoder (slots are refilled as rows finish), rate = generated tokens / wall seconds of that
     run, prefills included. Settings are interleaved inside each repeat; medians over repeats;
-    speedups against batch 1, draft length 0 of the same run."""
-    if "auto" in draft_lens:
-        raise ConfigError("--batch-sizes needs fixed draft lengths (integers), not 'auto'")
+    speedups against batch 1, draft length 0 of the same run. A draft length "auto" plans each round
+    against the batch's pass (decoding/policy.py)."""
     settings = [(k, b) for k in draft_lens for b in batch_sizes]
     cfgs = {k: pair.config(batched=True, max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed,
                            drafter=drafter if k else "model", confidence_stop=0.0) for k in draft_lens}

@@ -20,9 +20,9 @@ Guarantees of the output file:
 
 A record without its own "seed" samples with a seed derived from the job's seed and its id, so two
 records with the same prompt are independent samples, and a record's result depends neither on the
-order of the input nor on the batch it ran in. Except with draft_len "auto" (batch size 1, as `generate`
-runs): its round lengths follow measured timings and what earlier records taught the policy, so a
-sampled record is a faithful sample but not draw for draw reproducible; greedy output is still exact.
+order of the input nor on the batch it ran in. Except with draft_len "auto": its round lengths follow
+measured timings and what earlier records taught the policy, so a sampled record is a faithful sample
+but not draw for draw reproducible; greedy output is still exact.
 
 `--ray`: the driver reads, validates and writes exactly as above; Ray actors each load the pair once
 (from PAIR_DIR, which must exist at that path on every node) and decode shards of records.
@@ -68,7 +68,7 @@ class JobError(SpecrtError):
 class JobSettings:
     """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop.
     None means the pair's default (what `specrt tune` stored, else api/requests.defaults).
-    draft_len "auto": generate's per-round policy, one record at a time (batch size 1, see `Runner`)."""
+    draft_len "auto": each row's length chosen every round by the policy (decoding/policy.py)."""
 
     max_new_tokens: int = MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -99,7 +99,7 @@ def resolve_settings(m, s: JobSettings) -> JobSettings:
     tuned = m.tuned or {}
     if tuned and tuned.get("graphs") != m.graph_hashes():
         tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
-    # draft_len auto: records run one at a time as `generate` runs them, with its defaults; else as batch rows
+    # draft_len auto: the drafting defaults of a request alone (hybrid); else a batch row's fixed length
     drafter, k, cs = requests.defaults(m, tuned, m.draft is not None, batched=s.draft_len != "auto")
     k = k if s.draft_len is None else s.draft_len
     out = replace(s, drafter=s.drafter or drafter, draft_len=k,
@@ -164,7 +164,7 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
         try:
             r.prompt = _encode(codec, m, rec, s.chat)
             r.cfg = _config(s, rec, record_seed(s.seed, r.key))
-            requests.check(m, r.prompt, r.cfg, batched=s.draft_len != "auto")  # auto: each record alone (Runner)
+            requests.check(m, r.prompt, r.cfg, batched=True)
         except (ValueError, TypeError, SpecrtError) as e:
             r.prompt = r.cfg = None
             r.error = f"line {n}: {e}"
@@ -414,11 +414,8 @@ class Runner:
     whose draft length is the pair's default, not one the user asked for, and only for greedy records
     (a sampled record always drafts at the job's length, so its draws never depend on the trial).
 
-    Requests with draft_len "auto" (a job's draft length is one for all its records; run_job allows it at
-    batch size 1 or "auto", which then means 1) run one at a time through `Pair.run`, the path of
-    `generate`: the policy picks each round's length from one request's measured pass costs and the
-    acceptance learnt in the pair's PolicyState, which carries over from record to record as between
-    `generate` calls."""
+    Rows with draft_len "auto" choose each round's length against the cost of the batch's pass and its
+    rate (decoding/policy.py), at any batch size."""
 
     def __init__(self, pair, batch_size: int | str, log=None, try_plain: bool = False):
         self.pair, self.log = pair, log or (lambda s: None)
@@ -435,14 +432,6 @@ class Runner:
 
     def results(self, requests):
         reqs, i = list(requests), 0
-        if reqs and reqs[0].cfg.draft_len == "auto":
-            if self.chosen is None:
-                self.log("batch size auto: 1 (--draft-len auto runs one record at a time)")
-                self.chosen = 1
-            for r in reqs:
-                res = self.pair.run(r.prompt, r.cfg)
-                yield r.key, replace(res, stats={**res.stats, "batch_size": 1})
-            return
         if self.chosen is None:
             trials = [(b, plain) for b in AUTO_SIZES for plain in ((False, True) if self.try_plain else (False,))]
             for b, plain in trials:
@@ -543,10 +532,6 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
     pair_dir = Path(pair_dir)
     m = read_manifest(pair_dir)
     s = resolve_settings(m, settings)
-    if s.draft_len == "auto" and batch_size not in ("auto", 1):
-        raise ConfigError(f"--draft-len auto runs one record at a time, not batches of {batch_size}: its policy picks "
-                          "each round's length from one request's pass costs, and the rows of a batch share each "
-                          "pass; use --batch-size 1 (or auto), or a fixed --draft-len to batch")
     codec = TextCodec(pair_dir)
     records, digest = read_records(Path(input_path), codec, m, s)
     if Path(output_path).exists() and os.path.samefile(input_path, output_path):
@@ -585,7 +570,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             log(f"resuming: {summary['skipped']} of {len(records)} records already in {output_path}")
         bar = _Progress(len(pending), progress and bool(pending))
         # auto may also decode without drafting, if that is faster, unless the user chose a draft length
-        try_plain = settings.draft_len is None and s.draft_len > 0
+        try_plain = settings.draft_len is None and s.draft_len != "auto" and s.draft_len > 0
         t0 = time.perf_counter()
         if pair is not None:
             ids = {r.key: r.id for r in pending}

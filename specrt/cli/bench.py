@@ -27,7 +27,7 @@ from specrt.config import MAX_NEW_TOKENS
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--batch-sizes", default=None, callback=batch_size_list,
               help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "
-                   "(whole prompt list per setting, slots refilled; fixed draft lengths only).")
+                   "(whole prompt list per setting, slots refilled).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the numbers here.")
 @click.option("--report", "report_dir", type=click.Path(path_type=Path), default=None,
               help="Also measure this machine's pass costs and write DIR/index.html with plots (needs specrt[plots]).")

@@ -54,9 +54,9 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
               help="Rows of the batched decoder that runs requests while more than one waits (1: one at a time; "
                    "auto: 4, or fewer if their KV caches do not fit).")
-@click.option("--batch-draft-len", type=click.IntRange(0), default=0, show_default=True,
-              help="Draft length of batched rows whose request does not name one (0: on the CPU batching already "
-                   "uses the spare compute drafting would).")
+@click.option("--batch-draft-len", type=click.IntRange(0), default=None,
+              help="A fixed draft length for batched rows whose request asks for auto (default: auto stays auto, "
+                   "its lengths chosen against what the batch's pass costs).")
 @click.option("--draft-len", default=None, callback=draft_len_value,
               help="Default draft length of a request (an integer or 'auto'; default: `specrt tune`'s, else auto).")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,

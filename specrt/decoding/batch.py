@@ -38,12 +38,15 @@ logits agree: token for token in greedy, and draw for draw in sampling. Batched 
 from batch-1 passes in the last bits (other GEMM shapes); on fp32 models that changes nothing but an
 exact near-tie (the tests find none); int4 at accuracy level 4 rounds differently per batch shape
 (see the README), so there greedy batch and lone text can part at a near-tie, both faithful to the
-weights. `draft_len="auto"` is not supported (its choices depend on per-request timings). A row's draft
+weights. A row at `draft_len="auto"` plans each round against the cost of the batch's pass by its total
+width and the batch's rate (decoding/policy.py), so its lengths follow timings: greedy output is
+unchanged, a sampled row is a faithful sample but not draw for draw its lone run's. A row's draft
 reads its prompt by the lone run's catch-up rule (proposers.model_drafter), so a row equals it.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import numpy as np
 
@@ -153,23 +156,25 @@ class BatchDecoder(Decoder):
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.pair = pair
         m = pair.manifest
-        self.width = m.max_draft_len + 1
-        self.cache_len = m.max_len + self.width  # the rotary tables of a lean graph cover this many positions
-        target = Ragged(pair.batch_engine("target", batch_size, self.cache_len, self.width), self.width)
+        self.max_width = m.max_draft_len + 1
+        self.cache_len = m.max_len + self.max_width  # the rotary tables of a lean graph cover this many positions
+        target = Ragged(pair.batch_engine("target", batch_size, self.cache_len, self.max_width), self.max_width)
+        # What its rows learn and plan with: the pair's acceptance to start from, the costs of this batch's
+        # passes by their total width, the pair's history of outputs.
+        self.state = PolicyState(acceptance=copy.deepcopy(pair.state.acceptance), history=pair.state.history)
         super().__init__(target, self._draft_rows, m.vocab_size, frozenset(m.eos_token_ids), self._policy,
                          text=pair.text_stream, history=pair.state.history,
                          share_prefix=getattr(pair, "share_prefix", True))
 
     def _draft_rows(self) -> Ragged:  # made on first need: a target-only job allocates no draft cache
-        return Ragged(self.pair.batch_engine("draft", self.B, self.cache_len, 1), self.width)
+        return Ragged(self.pair.batch_engine("draft", self.B, self.cache_len, 1), self.max_width)
 
     def _policy(self, r: int, cfg: GenerationConfig):
         def model(skip: int | None) -> ModelProposer:  # the lone run's window and skip; no memory across requests
             return model_drafter(self.draft.e.row(r), self.vocab, self.pair.draft_ids, None, cfg.draft_window,
                                  self.pair.device)(skip)
 
-        state = PolicyState(history=self.pair.state.history)  # a fixed policy learns nothing else to keep
-        return build(cfg.draft_len, cfg.drafter, self.pair.manifest.max_draft_len, state, model=model,
+        return build(cfg.draft_len, cfg.drafter, self.pair.manifest.max_draft_len, self.state, model=model,
                      ngram_max=cfg.ngram_max, config=self.pair.policy_config)
 
     def check(self, prompt: list[int] | None, cfg: GenerationConfig) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from specrt.config import GenerationConfig
 from specrt.decoding import sampling
-from specrt.decoding.policy import Policy, Round
+from specrt.decoding.policy import Batch, Policy, Round
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING, History, Proposal
 from specrt.engines.base import Engine
@@ -215,6 +215,7 @@ class _Row:
     read: bool = False  # its prompt is in the target's cache
     proposer: Any = None  # this round's
     k: int = 0  # drafts this round's plan asked for
+    width: int = 0  # tokens it put in the last verify pass
     result: Result | None = None
 
     @property
@@ -236,6 +237,9 @@ class Decoder:
         self.text, self.share_prefix = text or (lambda stop: TokenStream()), share_prefix
         self.B = target.batch
         self.totals = Totals(batch_size=self.B)
+        # the last verify pass's tokens, and the rounds' tokens and seconds lately (EMA): what a row of a busy
+        # batch plans against (policy.Batch)
+        self.width, self._tokens, self._seconds = 0, 0.0, 0.0
 
     @property
     def draft(self) -> Rows:
@@ -282,19 +286,25 @@ class Decoder:
         return self._draft.passes if self._draft is not None else 0
 
     def _round(self, active: list[tuple[int, _Row]]) -> None:
-        # 1. Plan: each row's policy picks who drafts and how far (a round emits at most k + 1 tokens).
+        # 1. Plan: each row's policy picks who drafts and how far (a round emits at most k + 1 tokens); with
+        #    other rows in the batch, against what their tokens cost and the batch's rate.
+        rate = self._tokens / self._seconds if self._seconds else 0.0
         for r, row in active:
             left = row.cfg.max_new_tokens - len(row.out)
-            row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left)
+            batch = Batch(self.width - row.width, rate) if len(active) > 1 and rate else None
+            row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left, batch)
         # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position.
         t0 = time.perf_counter()
-        drafts = self._propose([(r, row) for r, row in active if row.k])
+        drafts, steps = self._propose([(r, row) for r, row in active if row.k])
         # 3. Verify every row's last token and drafts in one target pass.
         t1 = time.perf_counter()
-        logits = self.target.forward({r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}, last=False)
+        feeds = {r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}
+        logits = self.target.forward(feeds, last=False)
         t2 = time.perf_counter()
+        self.width = sum(map(len, feeds.values()))
         self.totals.target_passes += 1
         self.totals.row_rounds += len(active)
+        emitted = 0
         for r, row in active:
             # 4. Accept a prefix of the row's drafts, and one more token from the target.
             draft, lg = drafts.get(r, NOTHING), logits[r][:, :self.vocab]  # [k'+1, V]
@@ -303,17 +313,25 @@ class Decoder:
             # 5. Commit: the verified slots stay; rejected ones go by moving the lengths back.
             self.target.keep(r, len(row.seq) + n)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
             row.policy.commit(len(row.seq) + n)
-            done = Round(row.proposer, row.k, draft, n, new, lg, draft_s=t1 - t0, verify_s=t2 - t1)
+            share = draft.passes / steps if steps else 1.0  # of the draft passes, those it took part in
+            done = Round(row.proposer, row.k, draft, n, new, lg, draft_s=(t1 - t0) * share, verify_s=t2 - t1,
+                         width=self.width)
             row.policy.observe(done)
             row.stats.count(done)
+            row.width = len(feeds[r])
             self.totals.proposed += len(draft.tokens)
             self.totals.accepted += n
             # 6. Emit, and end the request at EOS, a stop string, max_new_tokens or its cancel.
+            before = len(row.out)
             self._emit(row, new)
+            emitted += len(row.out) - before
+        self._tokens = 0.8 * self._tokens + 0.2 * emitted
+        self._seconds = 0.8 * self._seconds + 0.2 * (time.perf_counter() - t0)
 
-    def _propose(self, rows: list[tuple[int, _Row]]) -> dict[int, Proposal]:
-        """Each row's proposal: its proposer's steps (proposers.ModelProposer.steps), driven together."""
-        done, steps, feeds, catchup = {}, {}, {}, {}
+    def _propose(self, rows: list[tuple[int, _Row]]) -> tuple[dict[int, Proposal], int]:
+        """Each row's proposal: its proposer's steps (proposers.ModelProposer.steps), driven together; and
+        how many draft passes that took."""
+        done, steps, feeds, catchup, passes = {}, {}, {}, {}, 0
         for r, row in rows:
             g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.cfg.confidence_stop)
             try:
@@ -323,6 +341,7 @@ class Decoder:
         while feeds:
             t0 = time.perf_counter()
             logits = self.draft.forward(feeds, last=True)
+            passes += 1
             for r, feed in feeds.items():
                 if len(feed) > 2 and r not in catchup:  # catching up on what it missed: not a draft step's cost
                     catchup[r] = (time.perf_counter() - t0, len(feed))
@@ -336,7 +355,7 @@ class Decoder:
         for r, (seconds, tokens) in catchup.items():
             p = done[r]
             done[r] = Proposal(p.tokens, p.p_draft, p.passes, seconds, tokens)
-        return done
+        return done, passes
 
     def _start(self, r: int, req: Request) -> _Row:
         cfg = req.cfg

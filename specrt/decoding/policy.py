@@ -16,6 +16,12 @@ confidence also predicts what a model draft would have got there (`Calibration`)
 estimate without a probe. Positions past the chosen k are never observed, so now and then it drafts
 one more token than it would, to measure it again.
 
+In a batch (`Batch`: the other rows' tokens in the pass, and the batch's measured tokens per second) the
+costs are those of a pass by its total width, and a row's k maximises E(k) - rate * (what its k + 1
+tokens add to the pass's cost + k draft steps): the batch's tokens per second are highest when every
+row's last draft token is worth at least what it costs at the batch's rate (with one row left this is
+the request's own E(k) / cost(k)).
+
 Everything tunable is one frozen `PolicyConfig`; what requests learn (costs, acceptance, calibration, and
 the history of outputs the suffix proposer drafts from) is one `PolicyState` that the Pair carries
 between requests.
@@ -129,7 +135,8 @@ class CostModel:
             slope = max((self.target_s[b] - self.target_s[a]) / (b - a), 0.0)
             edge = b if hi is None else a
             return max(self.target_s[edge] + slope * (width - edge), 0.0)
-        return self.target_s[known[0]] * (1 + 0.1 * (width - known[0]))  # prior: a wider pass costs a bit more
+        # prior: a wider pass costs a bit more (a batch's passes are much wider than a one-token one)
+        return self.target_s[known[0]] * max(1 + 0.1 * (width - known[0]), 0.1)
 
 
 @dataclass
@@ -175,6 +182,15 @@ class PolicyState:
     history: History | None = None
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A round of a batch, as one row plans it: the tokens the other rows put in the verify pass (last
+    round's), and the batch's tokens per second lately."""
+
+    others: int
+    rate: float
+
+
 @dataclass
 class Round:
     """What one round did, for the policy and the stats."""
@@ -185,8 +201,9 @@ class Round:
     accepted: int  # n: drafts accepted
     new: list[int]  # the tokens the round emitted: n drafts and the target's next token
     logits: np.ndarray  # the verify pass's target logits [k'+1, V]
-    draft_s: float
+    draft_s: float  # this row's share of the round's draft passes
     verify_s: float
+    width: int = 0  # tokens in the verify pass, every row's (0: this row's k + 1)
 
     @property
     def k(self) -> int:  # drafts verified
@@ -216,20 +233,31 @@ class Controller:
         draft_s = 0.0 if self.free_draft else (self.costs.draft_s or 0.0)
         return (self.costs.target(k + 1) or 0.0) + k * draft_s
 
-    def best(self, limit: int, extra_s: float = 0.0) -> tuple[int, float | None]:
-        """(the k <= limit with the most expected tokens per second, that rate; None while nothing is
-        measured). `extra_s`: what a drafting round costs besides its passes (a later catch-up)."""
+    def best(self, limit: int, extra_s: float = 0.0, batch: Batch | None = None) -> tuple[int, float | None]:
+        """(the k <= limit with the most expected tokens per second, its value; None while nothing is
+        measured). The value: alone, that rate; in a `batch`, E(k) - rate * (what the row's k + 1 tokens add
+        to the pass + its draft steps). `extra_s`: what a drafting round costs besides its passes (a later
+        catch-up)."""
         limit = min(limit, self.max_k)
-        c1 = self.costs.target(1)
+        c1 = self.costs.target(1 if batch is None else batch.others + 1)
         draft_s = 0.0 if self.free_draft else self.costs.draft_s
         if not c1 or draft_s is None:  # nothing measured yet (or a pass below the timer's resolution)
             return min(max(limit, 0), 2), None  # a short draft measures both costs
-        best_k, best_rate = 0, 1.0 / c1
+        if batch is not None:
+            base = self.costs.target(batch.others) if batch.others else 0.0
+
+            def value(k: int) -> float:
+                added = self.costs.target(batch.others + k + 1) - base + k * draft_s + (extra_s if k else 0.0)
+                return self.expected_tokens(k) - batch.rate * added
+        else:
+            def value(k: int) -> float:
+                return self.expected_tokens(k) / (self.cost(k) + extra_s) if k else 1.0 / c1
+        best_k, best_value = 0, value(0)
         for k in range(1, limit + 1):
-            rate = self.expected_tokens(k) / (self.cost(k) + extra_s)
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k, best_rate
+            v = value(k)
+            if v > best_value:
+                best_k, best_value = k, v
+        return best_k, best_value
 
     def catchup_cost(self, behind: int) -> float:
         """Seconds the draft model's next pass spends reading the `behind` tokens it has not seen, beyond
@@ -262,16 +290,17 @@ class Controller:
         """A round this kind was not asked (hybrid: a lookup round): one more round since its last probe."""
         self._since_probe += 1
 
-    def choose(self, limit: int, behind: int = 0, remaining: int = 0) -> int:
+    def choose(self, limit: int, behind: int = 0, remaining: int = 0, batch: Batch | None = None) -> int:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft would read first;
-        `remaining`: tokens the request may still generate."""
+        `remaining`: tokens the request may still generate; `batch`: the round is a batch's (`best`)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
-        best_k, rate = self.best(limit)
+        best_k, rate = self.best(limit, batch=batch)
         if rate is None:
             return best_k
-        if self.c.catchup_gate and best_k and behind > 2 and remaining > 0 and not self.free_draft:
+        if (self.c.catchup_gate and batch is None and best_k and behind > 2 and remaining > 0
+                and not self.free_draft):
             # drafting first needs a catch-up pass: worth it only if drafting saves that much
             if remaining * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
                 best_k = 0
@@ -304,8 +333,9 @@ class Policy(Protocol):
     max_k: int  # the most drafts a round may take
 
     def start(self, prompt: list[int]) -> None: ...
-    def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
-        """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit."""
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
+        """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit;
+        `batch`: the round is a batch's, with other rows in it."""
     def commit(self, valid: int) -> None: ...
     def observe(self, r: Round) -> None: ...
     def finish(self, new_tokens: int) -> dict:
@@ -334,7 +364,7 @@ class _Base:
             costs.observe_draft(r.draft_s - prop.catchup_s, prop.passes - (prop.catchup_s > 0))
             if prop.catchup_s:
                 costs.observe_catchup(prop.catchup_s, prop.catchup_tokens)
-        costs.observe_target(r.k + 1, r.verify_s)
+        costs.observe_target(r.width or r.k + 1, r.verify_s)
         self.spent += r.draft_s + r.verify_s
 
     def finish(self, new_tokens: int) -> dict:
@@ -352,7 +382,7 @@ class Fixed(_Base):
                  config: PolicyConfig = PolicyConfig()):
         super().__init__(proposers, k, state or PolicyState(), config)
 
-    def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         if limit <= 0:
             return None, 0
         if self.lookup is not None:
@@ -396,7 +426,7 @@ class Auto(_Base):
                                           accept=list(prior.get(kind) or prior.get(family, [])))
         return self.autos[kind]
 
-    def plan(self, seq: list[int], limit: int, left: int) -> tuple[Proposer | None, int]:
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         self._plan = (None, None, False, None)
         if limit <= 0:
             return None, 0
@@ -413,14 +443,14 @@ class Auto(_Base):
             behind = self.model.behind(seq)
             switch_s = (model_auto.costs.draft_s or 0.0) if behind <= 2 else 0.0
             catchup_s = model_auto.catchup_cost(behind) if behind > 2 else 0.0
-            rates = [auto.best(limit, switch_s)[1], model_auto.best(limit, catchup_s)[1]]
+            rates = [auto.best(limit, switch_s, batch)[1], model_auto.best(limit, catchup_s, batch)[1]]
             if None not in rates and rates[1] > rates[0]:
                 src, auto = self.model, model_auto
-        k = auto.choose(limit, src.behind(seq), left) if auto else limit
+        k = auto.choose(limit, src.behind(seq), left, batch) if auto else limit
         if self.hybrid and src is self.lookup:
             if k == 0:  # the lookup proposal does not pay: maybe the model's
                 src, auto = self.model, model_auto
-                k = auto.choose(limit, src.behind(seq), left)
+                k = auto.choose(limit, src.behind(seq), left, batch)
             else:  # a round without the model counts to its next probe
                 model_auto.wait()
         self._plan = (src, auto, True, found)

@@ -1,10 +1,10 @@
 """A server's requests on one Pair: a bounded queue and one worker thread that owns the pair.
 
-One request waiting runs alone (`Pair.run`: the pair's lone defaults, draft_len auto with the hybrid
-drafter). With more than one waiting they run through the batched decoder (decoding/batch.py),
-continuously: a finished row takes the next waiting request, and the batch ends when no row is left.
-Batched rows draft at `batch_draft_len` unless the request names a draft length: on the CPU batching
-and speculation compete for the same spare compute (bench/RESULTS.md, "Batched decoding").
+One request waiting runs alone (`Pair.run`: the pair's batch-1 engines). With more than one waiting they
+run through the batched decoder (decoding/batch.py), continuously: a finished row takes the next waiting
+request, and the batch ends when no row is left. Either way a request runs the same round with the same
+settings (decoding/decode.Decoder); a row at draft_len auto plans against the cost of the batch's pass
+(decoding/policy.py). `batch_draft_len`, when given, replaces auto for batched rows.
 
 Nothing here knows HTTP: a job hands its text chunks, then its Result (or an exception), to the
 `deliver` callback it was submitted with, from the worker thread.
@@ -58,14 +58,14 @@ class Scheduler:
     `batch_size` 1 runs every job alone. `on_finish(job, result)` is called (in the worker) for each
     job that ran, e.g. to count metrics."""
 
-    def __init__(self, pair, max_queue: int = 16, batch_size: int = 4, batch_draft_len: int = 0,
+    def __init__(self, pair, max_queue: int = 16, batch_size: int = 4, batch_draft_len: int | None = None,
                  on_finish: Callable[[Job, Any], None] | None = None):
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}")
         if batch_size < 1:
             raise ConfigError(f"batch size must be >= 1, got {batch_size}")
         self.pair, self.max_queue, self.batch_size = pair, max_queue, batch_size
-        self.batch_draft_len = min(batch_draft_len, pair.manifest.max_draft_len)
+        self.batch_draft_len = None if batch_draft_len is None else min(batch_draft_len, pair.manifest.max_draft_len)
         self.on_finish = on_finish or (lambda job, res: None)
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -159,8 +159,8 @@ class Scheduler:
                     yield WAIT
                     continue
                 job.batched, jobs[id(job)] = True, job
-                yield Request(id(job), job.prompt, as_batch_row(job.cfg, self.batch_draft_len), job.deliver,
-                              self._stop_fn(job))
+                cfg = job.cfg if self.batch_draft_len is None else as_batch_row(job.cfg, self.batch_draft_len)
+                yield Request(id(job), job.prompt, cfg, job.deliver, self._stop_fn(job))
                 job = None
 
         try:
