@@ -512,4 +512,7 @@ def test_a_busy_batch_drafts_while_a_draft_token_is_worth_its_cost_at_the_batchs
     assert c.best(8, batch=Batch(10, 10.0))[0] == 8  # a token's cost is 0.04 tokens at this rate
     assert c.best(8, batch=Batch(10, 200.0))[0] == 2  # 0.8 tokens: worth it while 0.9^i > 0.8
     assert c.best(8, batch=Batch(10, 1000.0))[0] == 0  # 4 tokens: never
-    assert c.choose(8, behind=50, remaining=100, batch=Batch(10, 10.0)) == 8  # no lone catch-up gate in a batch
+    assert c.choose(8, behind=1, remaining=100, batch=Batch(10, 200.0)) == 2
+    # 48 tokens behind: the draft's catch-up pass (~ one draft step while nothing else is measured, 0.4 tokens
+    # at this rate) is charged to drafting, which no longer pays (2 drafts: 2.71 - 0.8 * 3 = 0.31 < 0.6)
+    assert c.choose(8, behind=48, remaining=100, batch=Batch(10, 200.0)) == 0

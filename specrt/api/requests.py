@@ -1,13 +1,16 @@
-"""What settings a request runs with: the one place that decides a default and checks a request.
+"""What settings a request runs with: the one parser of a request, and the one place that decides a
+default and checks it.
 
-Every entry point (`Pair.generate`/`stream`/`run`, the CLI, the server, batch jobs, bench, tune) turns what
-its caller gave into a `GenerationConfig` through `resolve`; `defaults` is the rule for what was not given:
+Every front end (`Pair.generate`/`stream`, `generate_batch`, the CLI, the server, batch jobs) hands the
+request's raw settings by name (FIELDS) to `parse`, which checks each value's kind, and its prompt to
+`prompt_ids`; every entry point turns the settings into a `GenerationConfig` through `resolve`; `defaults`
+is the rule for what was not given:
 
 - a request alone: what `specrt tune` stored, else the hybrid drafter (the fastest setting measured
   overall, bench/RESULTS.md) at draft_len "auto", or prompt lookup (ngram) without a draft model;
-- a row of a batch (`batched=True`): every row of a pass drafts at one fixed length, so the tuned length
-  if it is a number, else min(4, max_draft_len); drafter the tuned one, else the draft model (batches were
-  measured with it), or prompt lookup without one;
+- a row of a batch (`batched=True`: `generate_batch`, a batch job without --draft-len auto): the tuned
+  length if it is a number, else min(4, max_draft_len); drafter the tuned one, else the draft model
+  (batches were measured with it), or prompt lookup without one;
 - a server's request run as a batch row while the server fixes batched rows' length (`as_batch_row`):
   its "auto" becomes that length.
 

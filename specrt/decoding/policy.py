@@ -296,7 +296,9 @@ class Controller:
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
-        best_k, rate = self.best(limit, batch=batch)
+        # in a batch a draft after rounds without one pays its catch-up pass (alone: the gate below)
+        catchup = self.catchup_cost(behind) if batch is not None and behind > 2 else 0.0
+        best_k, rate = self.best(limit, catchup, batch)
         if rate is None:
             return best_k
         if (self.c.catchup_gate and batch is None and best_k and behind > 2 and remaining > 0
