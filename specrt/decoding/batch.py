@@ -1,7 +1,7 @@
 """Batched speculative decoding: B sequences share every draft pass and every target verify pass.
 
 Each of the B rows ("slots") of the batch runs its own request with its own settings (sampling,
-seed, stop strings, max_new_tokens, a fixed draft_len 0..max_draft_len, drafter model, ngram or
+seed, stop strings, max_new_tokens, a draft_len 0..max_draft_len or auto, drafter model, ngram or
 hybrid): it accepts its own number of draft tokens per round (ragged), stops on its own (EOS, its
 stop strings, its max_new_tokens), and a finished slot is refilled from the request queue at once,
 so the batch stays full until the queue runs dry. A round is: draft passes (one per drafted
