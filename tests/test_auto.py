@@ -505,14 +505,22 @@ def test_plain_rounds_follow_the_targets_confidence(draft, agrees):
 
 
 def test_a_busy_batch_drafts_while_a_draft_token_is_worth_its_cost_at_the_batchs_rate():
-    """In a batch a row's k maximises E(k) - rate * (what its tokens add to the pass + its draft steps): here
-    each draft token adds 2 ms to the pass and 2 ms of draft, and position i is accepted with 0.9^i."""
-    costs = CostModel(draft_s=0.002, target_s={1: 0.05, 10: 0.06, 20: 0.08})
+    """In a batch a row's k maximises E(k) - rate * (what widening the padded pass costs + its draft steps):
+    a pass of 10 rows computes 10 x its widest row's tokens, 2 ms each here, a draft step costs 2 ms, and
+    position i is accepted with 0.9^i."""
+    costs = CostModel(draft_s=0.002, target_s={1: 0.05, 10: 0.06, 80: 0.20})
     c = Controller(8, costs, accept=[0.9] * 8)
-    assert c.best(8, batch=Batch(10, 10.0))[0] == 8  # a token's cost is 0.04 tokens at this rate
-    assert c.best(8, batch=Batch(10, 200.0))[0] == 2  # 0.8 tokens: worth it while 0.9^i > 0.8
-    assert c.best(8, batch=Batch(10, 1000.0))[0] == 0  # 4 tokens: never
-    assert c.choose(8, behind=1, remaining=100, batch=Batch(10, 200.0)) == 2
-    # 48 tokens behind: the draft's catch-up pass (~ one draft step while nothing else is measured, 0.4 tokens
-    # at this rate) is charged to drafting, which no longer pays (2 drafts: 2.71 - 0.8 * 3 = 0.31 < 0.6)
-    assert c.choose(8, behind=48, remaining=100, batch=Batch(10, 200.0)) == 0
+    # every draft token widens the pass by 10 tokens: 22 ms, 0.22 tokens at 10 tok/s, 2.2 at 100
+    assert c.best(8, batch=Batch(10, 1, 10.0))[0] == 8
+    assert c.best(8, batch=Batch(10, 1, 100.0))[0] == 0
+    # a row planned before it made the pass 5 wide: up to 4 drafts cost only their draft steps (0.2 tokens
+    # at 100 tok/s, worth it while 0.9^i > 0.2), a fifth widens the pass again
+    assert c.best(8, batch=Batch(10, 5, 100.0))[0] == 4
+    assert c.best(8, batch=Batch(10, 5, 1000.0))[0] == 0  # 2 tokens a draft step: never
+    assert c.choose(8, behind=1, remaining=100, batch=Batch(10, 5, 100.0)) == 4
+    # 48 tokens behind: the draft's catch-up pass (~ one draft step while nothing else is measured, 0.2 tokens
+    # at this rate) is charged to drafting (4 drafts: 4.10 - 0.8 - 0.2 = 3.1 > 1, still worth it; at 400 tok/s,
+    # where 2 drafts pay without it, 2.71 - 1.6 - 0.8 = 0.31 < 1: not)
+    assert c.choose(8, behind=48, remaining=100, batch=Batch(10, 5, 100.0)) == 4
+    assert c.best(8, batch=Batch(10, 5, 400.0))[0] == 2
+    assert c.choose(8, behind=48, remaining=100, batch=Batch(10, 5, 400.0)) == 0

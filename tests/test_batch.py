@@ -14,7 +14,7 @@ import pytest
 from specrt.api.pair import generate_batch
 from specrt.api.requests import check
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.decoding.batch import BatchDecoder, Request, Rows
+from specrt.decoding.batch import BatchDecoder, Ragged, Request
 from specrt.engines.select import batch_engine
 from specrt.errors import ConfigError
 
@@ -215,7 +215,7 @@ def test_rows_match_batch_one(request, which):
     m = pair.manifest
     rng = np.random.default_rng(3)
     B = 3
-    rows = Rows(batch_engine(pair.dir, pair.target, m.max_len + 9, 9, B), 9)
+    rows = Ragged(batch_engine(pair.dir, pair.target, m.max_len + 9, 9, B), 9)
     seqs = [[int(t) for t in rng.integers(3, 300, n)] for n in (5, 30, 12)]
     for r, s in enumerate(seqs):
         first, _ = rows.prefill(r, s)

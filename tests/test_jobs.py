@@ -152,28 +152,41 @@ def _job(qwen_dir, inp, out, *extra):
                   *extra)
 
 
-def test_batch_size_auto_also_times_plain_decoding_for_the_default_draft_len(qwen_dir, qwen_pair, tmp_path):
-    """Without --draft-len, auto times every size with and without drafting (batching and speculation
-    compete for the same spare compute) and keeps the fastest pair; an explicit --draft-len is kept."""
-    # 64 records go to the trials (sizes 1, 2, 4, 8, with and without drafting); the rest run as chosen
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"y = {i} +"} for i in range(72)])
+def test_by_default_greedy_records_draft_auto_and_sampled_ones_a_fixed_length(qwen_dir, qwen_pair, tmp_path):
+    """Without --draft-len, batch size auto times every size with the job's own lengths: a greedy record
+    drafts auto (its tokens are exact whatever drafts them), a sampled one the pair's fixed length (its draws
+    must not follow timings); an explicit --draft-len applies to both."""
+    # 30 records go to the trials (sizes 1, 2, 4, 8); the rest run as chosen
+    lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 3 == 0 else {})} for i in range(40)]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     r = invoke(qwen_dir, "--input", inp, "--output", out, "--max-new-tokens", 6, "--no-progress")
     assert r.exit_code == 0, r.output
     line = next(x for x in r.stderr.splitlines() if x.startswith("batch size auto:"))
     for b in (1, 2, 4, 8):
-        assert f" {b}: " in line and f" {b} plain: " in line
+        assert f" {b}: " in line and "plain" not in line
     recs = read_out(out)
-    assert len(recs) == 72
-    for i in (0, 9, 63, 71):  # greedy on fp32: the same tokens whichever way a record ran
-        assert recs[str(i)]["tokens"] == qwen_pair.generate(f"y = {i} +", max_new_tokens=6, draft_len=0).tokens
-    plain = line.endswith("without drafting")
-    assert (recs["71"]["stats"]["draft_len"] == 0) == plain
+    assert len(recs) == 40
+    fixed = qwen_pair.manifest.max_draft_len if qwen_pair.manifest.max_draft_len < 4 else 4
+    for i in range(40):
+        st = recs[str(i)]["stats"]
+        if i % 3:  # greedy on fp32: the same tokens whichever way a record ran
+            assert st["draft_len"] == "auto", st
+            assert recs[str(i)]["tokens"] == qwen_pair.generate(f"y = {i} +", max_new_tokens=6, draft_len=0).tokens
+        else:
+            assert st["draft_len"] == fixed and set(st["rounds_by_drafter"]) <= {"model"}, st
+    side = json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]
+    assert (side["draft_len"], side["greedy_draft_len"], side["greedy_drafter"]) == (fixed, "auto", "hybrid")
+    out2 = tmp_path / "out2.jsonl"
+    r = invoke(qwen_dir, "--input", inp, "--output", out2, "--max-new-tokens", 6, "--draft-len", 2,
+               "--batch-size", 4, "--no-progress")
+    assert r.exit_code == 0, r.output
+    assert {rec["stats"]["draft_len"] for rec in read_out(out2).values()} == {2}
 
 
 def test_a_sampled_record_depends_on_neither_its_place_nor_the_batch_size_nor_the_trial(qwen_dir, tmp_path):
-    """batch size auto with its plain-decoding trial, then a fixed batch size over the records reversed: a
-    sampled record drafts at the job's length whichever way it ran, so its draws, and tokens, are the same."""
+    """batch size auto with its trials, then a fixed batch size over the records reversed: a sampled record
+    drafts at the job's fixed length whichever way it ran, so its draws, and tokens, are the same."""
     lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 2 else {})} for i in range(72)]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     r = invoke(qwen_dir, "--input", write_jsonl(tmp_path / "in.jsonl", lines), "--output", first,

@@ -20,9 +20,13 @@ Guarantees of the output file:
 
 A record without its own "seed" samples with a seed derived from the job's seed and its id, so two
 records with the same prompt are independent samples, and a record's result depends neither on the
-order of the input nor on the batch it ran in. Except with draft_len "auto": its round lengths follow
-measured timings and what earlier records taught the policy, so a sampled record is a faithful sample
-but not draw for draw reproducible; greedy output is still exact.
+order of the input nor on the batch it ran in.
+
+Draft lengths, unless the job names one: a greedy record drafts as a request alone does (`auto`: each
+round's length chosen by the policy against the cost of the batch's pass; the pair's tuned drafter, else
+hybrid), since its tokens are exact whatever drafts them; a sampled record drafts a fixed length (the
+tuned one, else 4; the tuned drafter, else the draft model), so its draws never follow timings. With
+an explicit draft_len "auto" a sampled record is a faithful sample but not draw for draw reproducible.
 
 `--ray`: the driver reads, validates and writes exactly as above; Ray actors each load the pair once
 (from PAIR_DIR, which must exist at that path on every node) and decode shards of records.
@@ -67,8 +71,8 @@ class JobError(SpecrtError):
 @dataclass(frozen=True)
 class JobSettings:
     """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop.
-    None means the pair's default (what `specrt tune` stored, else api/requests.defaults).
-    draft_len "auto": each row's length chosen every round by the policy (decoding/policy.py)."""
+    None means the pair's default (what `specrt tune` stored, else api/requests.defaults); resolved, the
+    greedy_* fields hold what greedy records draft with when the job named no draft length (see above)."""
 
     max_new_tokens: int = MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -79,6 +83,8 @@ class JobSettings:
     drafter: str | None = None
     confidence_stop: float | None = None
     chat: bool = False
+    greedy_draft_len: int | str | None = None
+    greedy_drafter: str | None = None
 
 
 @dataclass
@@ -99,13 +105,18 @@ def resolve_settings(m, s: JobSettings) -> JobSettings:
     tuned = m.tuned or {}
     if tuned and tuned.get("graphs") != m.graph_hashes():
         tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
-    # draft_len auto: the drafting defaults of a request alone (hybrid); else a batch row's fixed length
-    drafter, k, cs = requests.defaults(m, tuned, m.draft is not None, batched=s.draft_len != "auto")
-    k = k if s.draft_len is None else s.draft_len
-    out = replace(s, drafter=s.drafter or drafter, draft_len=k,
-                  confidence_stop=cs if s.confidence_stop is None else s.confidence_stop)
+    has_draft = m.draft is not None
+    # a fixed length (a batch row's default) for sampled records, or for all when the job names one
+    drafter, k, cs = requests.defaults(m, tuned, has_draft, batched=s.draft_len != "auto")
+    out = replace(s, drafter=s.drafter or drafter, draft_len=k if s.draft_len is None else s.draft_len,
+                  confidence_stop=cs if s.confidence_stop is None else s.confidence_stop,
+                  greedy_draft_len=None, greedy_drafter=None)
+    if s.draft_len is None:  # greedy records draft as a request alone would
+        g_drafter, g_len, _ = requests.defaults(m, tuned, has_draft)
+        out = replace(out, greedy_draft_len=g_len, greedy_drafter=s.drafter or g_drafter)
     # Checks of the job-wide settings: a ConfigError before anything runs.
     requests.check_settings(m, _config(out, {}, 0))
+    requests.check_settings(m, _config(out, {"temperature": 1.0}, 0))
     return out
 
 
@@ -119,10 +130,12 @@ RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "sto
 
 def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
     """A record's settings: the job's, overridden by the record's own RECORD_FIELDS (api/requests.parse)."""
-    fields = {**{f: getattr(s, f, None) for f in RECORD_FIELDS}, "seed": seed,
-              **{f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}}
-    return GenerationConfig(draft_len=s.draft_len, drafter=s.drafter, confidence_stop=s.confidence_stop,
-                            **requests.parse(fields))
+    fields = requests.parse({**{f: getattr(s, f, None) for f in RECORD_FIELDS}, "seed": seed,
+                             **{f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}})
+    cfg = GenerationConfig(draft_len=s.draft_len, drafter=s.drafter, confidence_stop=s.confidence_stop, **fields)
+    if s.greedy_draft_len is not None and cfg.sampling.greedy:
+        cfg = replace(cfg, draft_len=s.greedy_draft_len, drafter=s.greedy_drafter)
+    return cfg
 
 
 def _encode(codec, m, rec: dict, chat: bool) -> list[int]:
@@ -407,34 +420,19 @@ def result_record(rid, res) -> dict:
 class Runner:
     """Decodes requests on one loaded pair with a fixed batch size, or "auto": the first records run at
     each of AUTO_SIZES in turn (their results are kept), and the fastest aggregate tokens/s wins.
-
-    `try_plain`: with "auto", also time each size without drafting (draft_len 0) and keep whichever of
-    the two is faster there. Batching and speculation compete for the same spare compute: measured on
-    the int4 pair, drafting pays at batch 1 and costs at batch 4 and 8 (bench/RESULTS.md). Only for jobs
-    whose draft length is the pair's default, not one the user asked for, and only for greedy records
-    (a sampled record always drafts at the job's length, so its draws never depend on the trial).
-
     Rows with draft_len "auto" choose each round's length against the cost of the batch's pass and its
-    rate (decoding/policy.py), at any batch size."""
+    rate (decoding/policy.py), at any batch size: drafting that does not pay in a batch is not done."""
 
-    def __init__(self, pair, batch_size: int | str, log=None, try_plain: bool = False):
+    def __init__(self, pair, batch_size: int | str, log=None):
         self.pair, self.log = pair, log or (lambda s: None)
         self.chosen = None if batch_size == "auto" else int(batch_size)
-        self.plain = False  # chosen: decode without drafting
-        self.try_plain = try_plain
-        self.measured: dict[tuple[int, bool], float] = {}
+        self.measured: dict[int, float] = {}
         self._dec = None
-
-    def _cfg(self, cfg: GenerationConfig, plain: bool) -> GenerationConfig:
-        # Only a greedy record may run without drafting: its tokens are the same either way, where a sampled
-        # record's draws follow its draft length, which must not depend on its position or the trial.
-        return replace(cfg, draft_len=0) if plain and cfg.draft_len and cfg.sampling.greedy else cfg
 
     def results(self, requests):
         reqs, i = list(requests), 0
         if self.chosen is None:
-            trials = [(b, plain) for b in AUTO_SIZES for plain in ((False, True) if self.try_plain else (False,))]
-            for b, plain in trials:
+            for b in AUTO_SIZES:
                 n = max(2 * b, 4)
                 if len(reqs) - i < n:
                     break
@@ -445,16 +443,15 @@ class Runner:
                     self.log(f"batch size auto: {b} skipped ({e})")
                     break
                 with dec:
-                    for key, res in dec.run([Request(r.key, r.prompt, self._cfg(r.cfg, plain)) for r in reqs[i:i + n]]):
+                    for key, res in dec.run(reqs[i:i + n]):
                         tokens += len(res.tokens)
                         yield key, res
-                self.measured[(b, plain)] = tokens / (time.perf_counter() - t0)
+                self.measured[b] = tokens / (time.perf_counter() - t0)
                 i += n
             if self.measured:
-                self.chosen, self.plain = max(self.measured, key=self.measured.get)
-                self.log("batch size auto: " + ", ".join(f"{b}{' plain' if pl else ''}: {v:.1f} tok/s"
-                                                         for (b, pl), v in self.measured.items())
-                         + f" -> {self.chosen}{' without drafting' if self.plain else ''}")
+                self.chosen = max(self.measured, key=self.measured.get)
+                self.log("batch size auto: " + ", ".join(f"{b}: {v:.1f} tok/s" for b, v in self.measured.items())
+                         + f" -> {self.chosen}")
             else:
                 self.chosen = max(1, min(4, len(reqs)))
                 self.log(f"batch size auto: too few records to measure, using {self.chosen}")
@@ -462,7 +459,7 @@ class Runner:
             if self._dec is None or self._dec.B != self.chosen:
                 self.close()
                 self._dec = BatchDecoder(self.pair, self.chosen)
-            yield from self._dec.run(Request(r.key, r.prompt, self._cfg(r.cfg, self.plain)) for r in reqs[i:])
+            yield from self._dec.run(reqs[i:])
 
     def close(self) -> None:
         if self._dec is not None:
@@ -569,12 +566,10 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         if summary["skipped"]:
             log(f"resuming: {summary['skipped']} of {len(records)} records already in {output_path}")
         bar = _Progress(len(pending), progress and bool(pending))
-        # auto may also decode without drafting, if that is faster, unless the user chose a draft length
-        try_plain = settings.draft_len is None and s.draft_len != "auto" and s.draft_len > 0
         t0 = time.perf_counter()
         if pair is not None:
             ids = {r.key: r.id for r in pending}
-            runner = Runner(pair, batch_size, log, try_plain)
+            runner = Runner(pair, batch_size, log)
             try:
                 for key, res in runner.results(Request(r.key, r.prompt, r.cfg) for r in pending):
                     out.write(result_record(ids[key], res))
@@ -584,7 +579,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             summary["batch_size"] = runner.chosen
         elif ray is not None:
             summary["batch_size"] = _run_ray(ray, pair_dir, pending, batch_size, out, bar, ray_actors,
-                                             ray_cpus_per_actor, log, try_plain, history_cap)
+                                             ray_cpus_per_actor, log, history_cap)
         else:
             log(f"nothing to run: all {len(records)} records are in {output_path}")
         summary["wall_s"] = time.perf_counter() - t0
@@ -612,10 +607,10 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
 class RayWorker:
     """A Ray actor (wrapped by ray.remote at run time): loads the pair once, decodes shards."""
 
-    def __init__(self, pair_dir: str, batch_size, threads: int, try_plain: bool = False, draft_model: bool = True,
+    def __init__(self, pair_dir: str, batch_size, threads: int, draft_model: bool = True,
                  history_cap: int = HISTORY_CAP):
         self.pair = load(pair_dir, threads=threads, device="cpu", draft_model=draft_model, history_cap=history_cap)
-        self.runner = Runner(self.pair, batch_size, try_plain=try_plain)
+        self.runner = Runner(self.pair, batch_size)
 
     def run(self, shard: list[tuple[str, list[int], GenerationConfig]]) -> tuple[list[tuple[str, Any]], int | None]:
         done = list(self.runner.results(Request(k, p, c) for k, p, c in shard))
@@ -659,8 +654,7 @@ def _needs_draft(pending: list[Record]) -> bool:
 
 
 def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOutput, bar: _Progress,
-             actors: int | None, cpus_per_actor: int, log, try_plain: bool = False,
-             history_cap: int = HISTORY_CAP) -> int | str:
+             actors: int | None, cpus_per_actor: int, log, history_cap: int = HISTORY_CAP) -> int | str:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     n = actors or max(1, cpus // cpus_per_actor)
     size = 32 if batch_size == "auto" else max(8, 4 * int(batch_size))
@@ -668,7 +662,7 @@ def _run_ray(ray, pair_dir: Path, pending: list[Record], batch_size, out: JobOut
     shards = [pending[i:i + size] for i in range(0, len(pending), size)]
     log(f"ray: {n} actors x {cpus_per_actor} CPU, {len(shards)} shards of <= {size} records")
     Worker = ray.remote(num_cpus=cpus_per_actor)(RayWorker)
-    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, try_plain, _needs_draft(pending),
+    workers = [Worker.remote(str(pair_dir.resolve()), batch_size, cpus_per_actor, _needs_draft(pending),
                              history_cap) for _ in range(n)]
     ids = {r.key: r.id for r in pending}
     queue = list(reversed(shards))

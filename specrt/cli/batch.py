@@ -19,7 +19,7 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS
                    "line. A rerun with the same output resumes where it stopped.")
 @click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
               help="Sequences decoded together, or 'auto': measure 1, 2, 4, 8 on the first records, keep the fastest "
-                   "(with --draft-len auto: 1).")
+                   "(sizes measured with the job's own draft lengths).")
 @click.option("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, show_default=True, help="Most new tokens per record (a record's own value wins).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy (a record's own value wins).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens, 0 = off (a record's own value wins).")
@@ -27,10 +27,12 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Base seed: a record without its own \"seed\" uses one derived from this and its id.")
 @click.option("--draft-len", default=None, callback=draft_len_value,
-              help="Draft tokens per round, 0 = target only, or 'auto': generate's per-round policy, one record at a "
-                   "time (--batch-size 1 or auto). Default: the tuned length if fixed, else 4.")
+              help="Draft tokens per round, 0 = target only, or 'auto': each round's length chosen against the cost of the "
+                   "batch's pass. Default: greedy records auto (or the tuned length), sampled records the tuned "
+                   "length, else 4, so that their draws never follow timings.")
 @click.option("--drafter", type=click.Choice(["model", "ngram", "suffix", "hybrid"]), default=None,
-              help="Drafter (default: the tuned one, else model, with --draft-len auto hybrid as in generate, or "
+              help="Drafter (default: the tuned one, else hybrid for greedy records and --draft-len auto, model for "
+                   "sampled records with a fixed length, or "
                    "ngram for a pair without a draft model); suffix: prompt lookup over the record and the outputs "
                    "of the records before it.")
 @click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,

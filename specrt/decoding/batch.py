@@ -38,8 +38,8 @@ logits agree: token for token in greedy, and draw for draw in sampling. Batched 
 from batch-1 passes in the last bits (other GEMM shapes); on fp32 models that changes nothing but an
 exact near-tie (the tests find none); int4 at accuracy level 4 rounds differently per batch shape
 (see the README), so there greedy batch and lone text can part at a near-tie, both faithful to the
-weights. A row at `draft_len="auto"` plans each round against the cost of the batch's pass by its total
-width and the batch's rate (decoding/policy.py), so its lengths follow timings: greedy output is
+weights. A row at `draft_len="auto"` plans each round against what widening the batch's padded pass
+costs at the batch's rate (decoding/policy.py), so its lengths follow timings: greedy output is
 unchanged, a sampled row is a faithful sample but not draw for draw its lone run's. A row's draft
 reads its prompt by the lone run's catch-up rule (proposers.model_drafter), so a row equals it.
 """
@@ -51,16 +51,15 @@ import copy
 import numpy as np
 
 from specrt.config import GenerationConfig
-from specrt.decoding.decode import WAIT, Decoder, Request, Totals
+from specrt.decoding.decode import WAIT, Decoder, Request
 from specrt.decoding.policy import PolicyState, build
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import ModelProposer, model_drafter
 from specrt.errors import ConfigError
 
-__all__ = ["WAIT", "BatchDecoder", "Ragged", "Request", "Rows", "BatchTotals"]
+__all__ = ["WAIT", "BatchDecoder", "Ragged", "Request"]
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
-BatchTotals = Totals
 
 
 class Ragged:
@@ -141,8 +140,6 @@ class Ragged:
         self.e.close()
 
 
-Rows = Ragged
-
 
 class BatchDecoder(Decoder):
     """Speculative decoding of many requests over a batch of `batch_size` rows of the pair's models.
@@ -160,7 +157,7 @@ class BatchDecoder(Decoder):
         self.cache_len = m.max_len + self.max_width  # the rotary tables of a lean graph cover this many positions
         target = Ragged(pair.batch_engine("target", batch_size, self.cache_len, self.max_width), self.max_width)
         # What its rows learn and plan with: the pair's acceptance to start from, the costs of this batch's
-        # passes by their total width, the pair's history of outputs.
+        # passes by the tokens they compute, the pair's history of outputs.
         self.state = PolicyState(acceptance=copy.deepcopy(pair.state.acceptance), history=pair.state.history)
         super().__init__(target, self._draft_rows, m.vocab_size, frozenset(m.eos_token_ids), self._policy,
                          text=pair.text_stream, history=pair.state.history,

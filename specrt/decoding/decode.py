@@ -215,7 +215,6 @@ class _Row:
     read: bool = False  # its prompt is in the target's cache
     proposer: Any = None  # this round's
     k: int = 0  # drafts this round's plan asked for
-    width: int = 0  # tokens it put in the last verify pass
     result: Result | None = None
 
     @property
@@ -237,9 +236,8 @@ class Decoder:
         self.text, self.share_prefix = text or (lambda stop: TokenStream()), share_prefix
         self.B = target.batch
         self.totals = Totals(batch_size=self.B)
-        # the last verify pass's tokens, and the rounds' tokens and seconds lately (EMA): what a row of a busy
-        # batch plans against (policy.Batch)
-        self.width, self._tokens, self._seconds = 0, 0.0, 0.0
+        # the rounds' tokens and seconds lately (EMA): the rate a row of a batch plans against (policy.Batch)
+        self._tokens, self._seconds = 0.0, 0.0
 
     @property
     def draft(self) -> Rows:
@@ -286,13 +284,14 @@ class Decoder:
         return self._draft.passes if self._draft is not None else 0
 
     def _round(self, active: list[tuple[int, _Row]]) -> None:
-        # 1. Plan: each row's policy picks who drafts and how far (a round emits at most k + 1 tokens); with
-        #    other rows in the batch, against what their tokens cost and the batch's rate.
-        rate = self._tokens / self._seconds if self._seconds else 0.0
+        # 1. Plan: each row's policy picks who drafts and how far (a round emits at most k + 1 tokens); in a
+        #    batch, against what widening the padded pass beyond the rows planned before it costs, at its rate.
+        rate, widest = (self._tokens / self._seconds if self._seconds else 0.0), 1
         for r, row in active:
             left = row.cfg.max_new_tokens - len(row.out)
-            batch = Batch(self.width - row.width, rate) if len(active) > 1 and rate else None
+            batch = Batch(self.B, widest, rate) if self.B > 1 and rate else None
             row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left, batch)
+            widest = max(widest, row.k + 1)
         # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position.
         t0 = time.perf_counter()
         drafts, steps = self._propose([(r, row) for r, row in active if row.k])
@@ -301,7 +300,7 @@ class Decoder:
         feeds = {r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}
         logits = self.target.forward(feeds, last=False)
         t2 = time.perf_counter()
-        self.width = sum(map(len, feeds.values()))
+        width = self.B * max(map(len, feeds.values()))  # what the pass computed: rows are right-padded
         self.totals.target_passes += 1
         self.totals.row_rounds += len(active)
         emitted = 0
@@ -315,10 +314,9 @@ class Decoder:
             row.policy.commit(len(row.seq) + n)
             share = draft.passes / steps if steps else 1.0  # of the draft passes, those it took part in
             done = Round(row.proposer, row.k, draft, n, new, lg, draft_s=(t1 - t0) * share, verify_s=t2 - t1,
-                         width=self.width)
+                         width=width)
             row.policy.observe(done)
             row.stats.count(done)
-            row.width = len(feeds[r])
             self.totals.proposed += len(draft.tokens)
             self.totals.accepted += n
             # 6. Emit, and end the request at EOS, a stop string, max_new_tokens or its cancel.

@@ -16,11 +16,11 @@ confidence also predicts what a model draft would have got there (`Calibration`)
 estimate without a probe. Positions past the chosen k are never observed, so now and then it drafts
 one more token than it would, to measure it again.
 
-In a batch (`Batch`: the other rows' tokens in the pass, and the batch's measured tokens per second) the
-costs are those of a pass by its total width, and a row's k maximises E(k) - rate * (what its k + 1
-tokens add to the pass's cost + k draft steps): the batch's tokens per second are highest when every
-row's last draft token is worth at least what it costs at the batch's rate (with one row left this is
-the request's own E(k) / cost(k)).
+In a batch (`Batch`: its rows, the widest row planned so far this round, the batch's measured tokens
+per second) the costs are those of a pass by the tokens it computes (rows x its widest row: rows are
+right-padded), and a row's k maximises E(k) - rate * (what its k + 1 tokens add to the pass's cost + k
+draft steps): the batch's tokens per second are highest when every row's last draft token is worth at
+least what it costs at the batch's rate (at batch size 1 this is the request's own E(k) / cost(k)).
 
 Everything tunable is one frozen `PolicyConfig`; what requests learn (costs, acceptance, calibration, and
 the history of outputs the suffix proposer drafts from) is one `PolicyState` that the Pair carries
@@ -184,10 +184,12 @@ class PolicyState:
 
 @dataclass(frozen=True)
 class Batch:
-    """A round of a batch, as one row plans it: the tokens the other rows put in the verify pass (last
-    round's), and the batch's tokens per second lately."""
+    """A round of a batch, as one row plans it. A batched pass computes `rows` x its widest row's tokens
+    (rows are right-padded; idle rows too), so a row's draft costs the pass only where it makes the pass
+    wider than `widest`, the rows already planned this round; `rate`: the batch's tokens per second lately."""
 
-    others: int
+    rows: int
+    widest: int
     rate: float
 
 
@@ -203,7 +205,7 @@ class Round:
     logits: np.ndarray  # the verify pass's target logits [k'+1, V]
     draft_s: float  # this row's share of the round's draft passes
     verify_s: float
-    width: int = 0  # tokens in the verify pass, every row's (0: this row's k + 1)
+    width: int = 0  # tokens the verify pass computed, every row's padding included (0: this row's k + 1)
 
     @property
     def k(self) -> int:  # drafts verified
@@ -239,16 +241,14 @@ class Controller:
         to the pass + its draft steps). `extra_s`: what a drafting round costs besides its passes (a later
         catch-up)."""
         limit = min(limit, self.max_k)
-        c1 = self.costs.target(1 if batch is None else batch.others + 1)
+        c1 = self.costs.target(1 if batch is None else batch.rows * batch.widest)
         draft_s = 0.0 if self.free_draft else self.costs.draft_s
         if not c1 or draft_s is None:  # nothing measured yet (or a pass below the timer's resolution)
             return min(max(limit, 0), 2), None  # a short draft measures both costs
         if batch is not None:
-            base = self.costs.target(batch.others) if batch.others else 0.0
-
             def value(k: int) -> float:
-                added = self.costs.target(batch.others + k + 1) - base + k * draft_s + (extra_s if k else 0.0)
-                return self.expected_tokens(k) - batch.rate * added
+                wider = self.costs.target(batch.rows * max(k + 1, batch.widest)) - c1
+                return self.expected_tokens(k) - batch.rate * (wider + k * draft_s + (extra_s if k else 0.0))
         else:
             def value(k: int) -> float:
                 return self.expected_tokens(k) / (self.cost(k) + extra_s) if k else 1.0 / c1
