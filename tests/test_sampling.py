@@ -27,6 +27,31 @@ def test_warp_temperature_is_softmax():
         np.testing.assert_allclose(p, _softmax(logits.astype(np.float64) / t), rtol=1e-12)
 
 
+@pytest.mark.parametrize("t", [5e-324, 1e-310, 1e-300, 1e-12, 1e300, np.finfo(np.float64).max])
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_warping_never_gives_nan(t):
+    """logits / 5e-324 overflows to inf and inf - inf is NaN (the probe's 'erererer'): every float64
+    temperature warps to a distribution, the tiniest ones to the argmax (ties shared), the hugest to uniform."""
+    logits = np.random.default_rng(1).normal(scale=8, size=(4, 50)).astype(np.float32)
+    logits[3, [7, 9]] = logits[3].max() + 1  # a tie at the top
+    for cfg in (SamplingConfig(temperature=t), SamplingConfig(temperature=t, top_k=5, top_p=0.9)):
+        p = warp(logits, cfg)
+        assert np.isfinite(p).all() and np.allclose(p.sum(-1), 1.0)
+        if t <= 1e-300:
+            for row in range(3):
+                assert p[row, logits[row].argmax()] == 1.0
+            assert p[3, 7] == p[3, 9] == 0.5
+        if t >= 1e300 and cfg.top_k == 0:
+            np.testing.assert_allclose(p, 1 / 50)
+
+
+def test_generate_at_a_temperature_too_small_to_divide_by_gives_the_greedy_text(qwen_pair):
+    greedy = qwen_pair.generate("def add(a, b):", max_new_tokens=12, draft_len=2, drafter="model").tokens
+    for t in (5e-324, 1e-310, 1e-300):
+        out = qwen_pair.generate("def add(a, b):", max_new_tokens=12, draft_len=2, drafter="model", temperature=t,
+                                 seed=3)
+        assert out.tokens == greedy, t
+
+
 def test_warp_top_k_keeps_k_largest():
     logits = np.random.default_rng(1).normal(size=(4, 20))
     for k in (1, 3, 19):

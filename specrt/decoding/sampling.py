@@ -19,11 +19,14 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     The order is the one transformers' generate applies. top-p keeps the smallest set of most
     likely tokens whose mass reaches top_p (at least one token).
     """
-    z = logits.astype(np.float64) / cfg.temperature  # [N, V]
+    z = logits.astype(np.float64)  # [N, V]
+    # shifted before dividing: at a temperature too small to divide by (1e-310, 5e-324) the largest logit
+    # stays 0 and the rest go to -inf (greedy, ties shared), where logits / T would be inf - inf = NaN
+    with np.errstate(over="ignore"):
+        z = (z - z.max(axis=-1, keepdims=True)) / cfg.temperature
     if 0 < cfg.top_k < z.shape[-1]:
         kth = np.partition(z, -cfg.top_k, axis=-1)[:, -cfg.top_k, None]  # [N, 1]
         z = np.where(z < kth, -np.inf, z)
-    z -= z.max(axis=-1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
     if cfg.top_p < 1.0:
