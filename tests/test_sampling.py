@@ -75,6 +75,30 @@ def test_warp_top_p_smallest_set_reaching_mass():
     np.testing.assert_allclose(warp(logits, SamplingConfig(1.0, top_p=0.01)), [[1, 0, 0, 0]], atol=1e-12)
 
 
+def _nucleus_by_full_sort(p, top_p):
+    order = np.argsort(-p, kind="stable")
+    mass_before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros(len(p), bool)
+    keep[order[mass_before < top_p]] = True
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])
+def test_top_p_on_a_real_vocabulary_is_the_full_sorts_set_bit_for_bit(scale):
+    """At 151,936 tokens top-p sorts only the likeliest few thousand when the set ends among them (flat
+    logits: it does not, and all are sorted): the same bits as sorting all, ties at the cut included."""
+    rng = np.random.default_rng(int(scale * 10))
+    logits = rng.normal(scale=scale, size=(3, 151936)).astype(np.float32)
+    logits[1, :20000] = np.round(logits[1, :20000])  # many exact ties
+    logits[2, :3000] = logits[2].max() + 1.0  # a tie across the head's boundary
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        base = warp(logits, SamplingConfig(0.7))
+        got = warp(logits, SamplingConfig(0.7, top_p=top_p))
+        for r in range(3):
+            assert np.array_equal(got[r], _nucleus_by_full_sort(base[r], top_p)), (r, top_p)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.8, 5, 0.9),
                                                      (2.0, 40, 0.95), (0.5, 2, 0.3)])
 def test_warp_matches_transformers(temperature, top_k, top_p):
