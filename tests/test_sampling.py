@@ -6,7 +6,7 @@ import pytest
 
 from _helpers import P_MIN, binom_pvalue, chi2_pvalue
 from specrt.config import SamplingConfig
-from specrt.decoding.sampling import accept_greedy, accept_sample, draw, warp
+from specrt.decoding.sampling import Coupled, accept_coupled, accept_greedy, accept_sample, draw, warp
 from specrt.errors import ConfigError
 
 
@@ -280,3 +280,52 @@ def test_accept_sample_bonus_when_draft_equals_target():
     acc, emitted = _simulate(pt[:3], pt, 40_000, seed=17)
     assert (acc == 3).all()  # u * p <= p always holds
     _check_positions(acc, emitted, pt)
+
+
+# ---------------------------------------------------------------- coupled (Gumbel-max) sampling
+
+
+def test_coupled_picks_are_exact_samples_over_seeds_and_over_positions():
+    p = np.array([0.4, 0.0, 0.25, 0.2, 0.1, 0.05])
+    by_seed = np.bincount([Coupled(s).pick(p, 17) for s in range(6000)], minlength=6)
+    by_pos = np.bincount([Coupled(5).pick(p, t) for t in range(6000)], minlength=6)
+    assert chi2_pvalue(by_seed, p) > P_MIN and chi2_pvalue(by_pos, p) > P_MIN
+    # a sparse row of a real vocabulary takes the ids path, a dense one the whole-vocabulary path
+    big = np.zeros(151936)
+    big[[5, 70000, 151935]] = [0.5, 0.3, 0.2]
+    counts = np.bincount([Coupled(s).pick(big, 3) for s in range(3000)], minlength=151936)[[5, 70000, 151935]]
+    assert counts.sum() == 3000 and chi2_pvalue(counts, np.array([0.5, 0.3, 0.2])) > P_MIN
+
+
+def test_coupled_noise_is_a_function_of_seed_position_and_id_alone():
+    ids = np.array([3, 9, 150000, 42])
+    full = Coupled(11).exponential(8, np.arange(151936))
+    np.testing.assert_array_equal(Coupled(11).exponential(8, ids), full[ids])
+    assert not np.array_equal(Coupled(11).exponential(9, ids), full[ids])
+    assert not np.array_equal(Coupled(12).exponential(8, ids), full[ids])
+    assert (full > 0).all() and np.isfinite(full).all()
+    assert abs(full.mean() - 1.0) < 0.01  # a standard exponential
+
+
+def test_coupled_verification_emits_the_target_only_sample_whatever_was_drafted():
+    rng = np.random.default_rng(0)
+    p_target = rng.dirichlet(np.ones(30) * 0.3, size=5)  # positions 10..14
+    noise = Coupled(4)
+    alone = [noise.pick(p_target[j], 10 + j) for j in range(5)]
+    assert accept_coupled(np.array(alone[:4]), p_target, noise, 10) == (4, alone[4])  # all accepted, bonus
+    for k in range(4):
+        for wrong in range(30):
+            draft = np.array(alone[:k] + [wrong] + alone[k + 1:4])
+            n, t = accept_coupled(draft, p_target, noise, 10)
+            assert (n, t) == ((4, alone[4]) if wrong == alone[k] else (k, alone[k]))
+
+
+def test_a_coupled_draft_agrees_with_the_target_as_often_as_their_distributions_allow():
+    """Same noise: a draft q close to p picks the target's token most of the time (P >= 1 - TV(p, q)),
+    independent noise only sum(p * q)."""
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(50))
+    q = 0.9 * p + 0.1 * rng.dirichlet(np.ones(50))
+    agree = np.mean([Coupled(s).pick(p, 0) == Coupled(s).pick(q, 0) for s in range(3000)])
+    assert agree >= 1 - 0.5 * np.abs(p - q).sum() - 0.02
+    assert agree > 3 * float(p @ q)

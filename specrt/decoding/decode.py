@@ -307,7 +307,7 @@ class Decoder:
         for r, row in active:
             # 4. Accept a prefix of the row's drafts, and one more token from the target.
             draft, lg = drafts.get(r, NOTHING), logits[r][:, :self.vocab]  # [k'+1, V]
-            n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng)
+            n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, len(row.seq))
             new = [*draft.tokens[:n].tolist(), t]
             # 5. Commit: the verified slots stay; rejected ones go by moving the lengths back.
             self.target.keep(r, len(row.seq) + n)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
@@ -370,7 +370,7 @@ class Decoder:
         # The target reads the prompt (but what its row kept of an earlier one); the last position gives
         # the first token.
         logits, row.stats.prompt_cached = self.target.prefill(r, row.seq, self.share_prefix)
-        x = sampling.pick(logits[:self.vocab], cfg.sampling, row.rng)
+        x = sampling.pick(logits[:self.vocab], cfg.sampling, row.rng, len(row.seq))
         row.read = True
         self.totals.prefills += 1
         row.stats.target_passes = 1

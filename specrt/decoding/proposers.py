@@ -199,7 +199,7 @@ class ModelProposer:
                 t, top = greedy_pick(rows, self.ids, self.vocab, bool(confidence_stop))
             else:
                 p.append(sampling.warp(expand_logits(rows, self.ids, self.vocab)[None], cfg)[0])  # [V]
-                t, top = sampling.draw(p[-1], rng.random()), p[-1].max()
+                t, top = sampling.sample(p[-1], rng, len(seq) + len(d)), p[-1].max()
             d.append(t)
             feed = [t]
             if top < confidence_stop:

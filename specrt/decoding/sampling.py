@@ -1,10 +1,19 @@
-"""All sampling math in one place: warping, drawing, and the lossless accept/resample test.
+"""All sampling math in one place: warping, drawing, and the two lossless verifications.
 
 Pure functions on numpy arrays. `p_draft` is the draft model's warped distribution, `p_target`
-the target's; both are warped by the same function with the same settings, so the speculative
-output is distributed exactly as plain sampling from the warped target (Leviathan et al. 2023,
-Chen et al. 2023). Every random decision takes its uniform variates from the caller, so a seed
-reproduces and the number of draws per round is fixed.
+the target's; both are warped by the same function with the same settings.
+
+*Rejection* (Leviathan et al. 2023, Chen et al. 2023): a draft token is accepted with probability
+min(1, p_target / p_draft), else the token is drawn from the residual; the output is distributed
+exactly as plain sampling from the warped target. Its uniforms come from the caller's generator in a
+fixed order, so a seed reproduces for the same drafts, but other drafts give another sample.
+
+*Coupled* (Gumbel-max): the token at sequence position t is argmax(log p_t + g_t), the noise g_t a
+function of (seed, t) only (`Coupled`; computed as the equivalent exponential race argmax(p_t / e_t),
+g = -log e). That is an exact sample of p_t; a draft model proposes argmax(log q_t + g_t) with the
+same noise, and verification accepts a drafted token iff it is the
+target's pick there, emitting the pick at the first mismatch. The output is then the target-only
+sample itself, whatever drafted it: drafter, draft length, batch and timing cannot change it.
 """
 from __future__ import annotations
 
@@ -63,26 +72,88 @@ def top_prob(logits: np.ndarray) -> float:
     return float(1.0 / np.exp(logits - logits.max()).sum())
 
 
+class Coupled:
+    """The noise of coupled sampling for one seed: a standard exponential e per (position, token id)
+    (g = -log e is a standard Gumbel), computed for any position and any ids without the ones before
+    it, the same in every process and batch row. e = -log u, u in (0, 1) from the id-th output of a
+    splitmix64 generator seeded by (seed, position): a counter times the golden-ratio increment, through
+    splitmix64's output function (a bijection of 64-bit words mixing every input bit into every output bit)."""
+
+    def __init__(self, seed: int):
+        self.key = _mix(np.uint64(seed & (2**64 - 1)))
+
+    def exponential(self, pos: int, ids: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+            h = _mix(_mix(self.key ^ np.uint64(pos)) + ids.astype(np.uint64) * _GAMMA)
+        # 52 random bits as the mantissa of a double in [1, 2) (no integer-to-float conversion), then
+        # (2m + 1) / 2^53: exact, in (0, 1)
+        u = ((h >> np.uint64(12)) | np.uint64(0x3FF0000000000000)).view(np.float64) - (1.0 - 2.0 ** -53)
+        return -np.log(u)
+
+    def pick(self, p: np.ndarray, pos: int) -> int:
+        """argmax(p / e_pos) = argmax(log p + g_pos) over the tokens p [V] gives mass: an exact sample of p
+        (a token without mass scores 0 and never wins)."""
+        if np.count_nonzero(p) > len(p) // 8:
+            return int(np.argmax(p / self.exponential(pos, np.arange(len(p)))))
+        ids = np.flatnonzero(p)
+        return int(ids[np.argmax(p[ids] / self.exponential(pos, ids))])
+
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x):
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def source(seed: int, coupled: bool) -> np.random.Generator | Coupled:
+    """A request's randomness: the noise of coupled sampling, or the generator rejection draws from."""
+    return Coupled(seed) if coupled else np.random.default_rng(seed)
+
+
+def sample(p: np.ndarray, rng: np.random.Generator | Coupled, pos: int) -> int:
+    """One token from the warped distribution p [V] at sequence position `pos`."""
+    return rng.pick(p, pos) if isinstance(rng, Coupled) else draw(p, rng.random())
+
+
 def draw(dist: np.ndarray, u: float) -> int:
     """Inverse-CDF draw from a (possibly unnormalised) distribution [V] with one uniform u in [0, 1)."""
     cdf = np.cumsum(dist)
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(dist) - 1))
 
 
-def pick(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
-    """One token from logits [V]: the argmax (greedy), else a draw from the warped distribution."""
+def pick(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator | Coupled, pos: int) -> int:
+    """The token at sequence position `pos` from logits [V]: the argmax (greedy), else a sample of the
+    warped distribution."""
     if cfg.greedy:
         return int(logits.argmax())
-    return draw(warp(logits[None], cfg)[0], rng.random())
+    return sample(warp(logits[None], cfg)[0], rng, pos)
 
 
 def accept(draft_tokens: np.ndarray, p_draft: np.ndarray | None, target_logits: np.ndarray, cfg: SamplingConfig,
-           rng: np.random.Generator) -> tuple[int, int]:
-    """One round's test: draft_tokens [k], p_draft [k, V] or None, target_logits [k+1, V] -> (n accepted,
-    next token). Greedy takes no random numbers; sampling exactly k+1 uniforms, so a seed reproduces."""
+           rng: np.random.Generator | Coupled, pos: int) -> tuple[int, int]:
+    """One round's test: draft_tokens [k] for positions pos.., p_draft [k, V] or None, target_logits
+    [k+1, V] -> (n accepted, next token). Greedy takes no random numbers; rejection exactly k+1 uniforms,
+    so a seed reproduces; coupled the noise of the positions it looks at."""
     if cfg.greedy:
         return accept_greedy(draft_tokens, target_logits)
+    if isinstance(rng, Coupled):
+        return accept_coupled(draft_tokens, warp(target_logits, cfg), rng, pos)
     return accept_sample(draft_tokens, p_draft, warp(target_logits, cfg), rng.random(len(draft_tokens) + 1))
+
+
+def accept_coupled(draft_tokens: np.ndarray, p_target: np.ndarray, noise: Coupled, pos: int) -> tuple[int, int]:
+    """Coupled verification: draft_tokens [k] for positions pos.., p_target [k+1, V] -> (n accepted, next
+    token). Accept while the draft token is the target's pick at its position; the next token is the pick
+    at the first mismatch (or the bonus position k)."""
+    for n in range(len(draft_tokens) + 1):
+        t = noise.pick(p_target[n], pos + n)
+        if n == len(draft_tokens) or draft_tokens[n] != t:
+            return n, t
+    raise AssertionError("unreachable")
 
 
 def accept_greedy(draft_tokens: np.ndarray, target_logits: np.ndarray) -> tuple[int, int]:
