@@ -82,21 +82,29 @@ class Coupled:
     def __init__(self, seed: int):
         self.key = _mix(np.uint64(seed & (2**64 - 1)))
 
-    def exponential(self, pos: int, ids: np.ndarray) -> np.ndarray:
+    def uniform(self, pos: int, ids: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
             h = _mix(_mix(self.key ^ np.uint64(pos)) + ids.astype(np.uint64) * _GAMMA)
         # 52 random bits as the mantissa of a double in [1, 2) (no integer-to-float conversion), then
-        # (2m + 1) / 2^53: exact, in (0, 1)
-        u = ((h >> np.uint64(12)) | np.uint64(0x3FF0000000000000)).view(np.float64) - (1.0 - 2.0 ** -53)
-        return -np.log(u)
+        # (2m + 1) / 2^53: exact, in (0, 1), and so is 1 - u
+        return ((h >> np.uint64(12)) | np.uint64(0x3FF0000000000000)).view(np.float64) - (1.0 - 2.0 ** -53)
+
+    def exponential(self, pos: int, ids: np.ndarray) -> np.ndarray:
+        return -np.log(self.uniform(pos, ids))
 
     def pick(self, p: np.ndarray, pos: int) -> int:
         """argmax(p / e_pos) = argmax(log p + g_pos) over the tokens p [V] gives mass: an exact sample of p
-        (a token without mass scores 0 and never wins)."""
-        if np.count_nonzero(p) > len(p) // 8:
-            return int(np.argmax(p / self.exponential(pos, np.arange(len(p)))))
-        ids = np.flatnonzero(p)
-        return int(ids[np.argmax(p[ids] / self.exponential(pos, ids))])
+        (a token without mass scores 0 and never wins). e = -log u >= 1 - u, so p / (1 - u) bounds a token's
+        score without a logarithm: the exact scores are computed only where that bound reaches the exact
+        score of the token with the best bound (with a margin for rounding), which picks the same token."""
+        dense = np.count_nonzero(p) > len(p) // 8
+        ids = np.arange(len(p)) if dense else np.flatnonzero(p)
+        q, u = (p if dense else p[ids]), self.uniform(pos, ids)
+        bound = q / (1.0 - u)
+        i = int(np.argmax(bound))
+        best = q[i] / -np.log(u[i])
+        near = np.flatnonzero(bound * (1.0 + 1e-9) >= best)
+        return int(ids[near[np.argmax(q[near] / -np.log(u[near]))]])
 
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
