@@ -2,10 +2,11 @@
 they are. The pair folder's schema is manifest.py."""
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
-from specrt.errors import ConfigError
+from specrt.errors import ConfigError, show
 
 DRAFTERS = ("model", "ngram", "suffix", "hybrid")
 # Stop strings a request may give, and their length: enough for any use seen, and a bound on what a round
@@ -35,11 +36,11 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not _is_int(self.top_k):
-            raise ConfigError(f"top_k must be an integer, got {self.top_k!r}", param="top_k")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}", param="temperature")
+            raise ConfigError(f"top_k must be an integer, got {show(self.top_k)}", param="top_k")
+        if not 0.0 <= self.temperature < math.inf:  # NaN fails every comparison
+            raise ConfigError(f"temperature must be >= 0 and finite, got {self.temperature}", param="temperature")
         if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}", param="top_k")
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {show(self.top_k)}", param="top_k")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
 
@@ -68,18 +69,18 @@ class GenerationConfig:
         if self.drafter not in DRAFTERS:
             raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}", param="drafter")
         if not 1 <= self.ngram_max <= 16:
-            raise ConfigError(f"ngram_max must be in 1..16, got {self.ngram_max}", param="ngram_max")
+            raise ConfigError(f"ngram_max must be in 1..16, got {show(self.ngram_max)}", param="ngram_max")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", param="max_new_tokens")
+            raise ConfigError(f"max_new_tokens must be >= 1, got {show(self.max_new_tokens)}", param="max_new_tokens")
         if not _is_int(self.max_new_tokens):
-            raise ConfigError(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}", param="max_new_tokens")
+            raise ConfigError(f"max_new_tokens must be an integer, got {show(self.max_new_tokens)}", param="max_new_tokens")
         if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed!r}", param="seed")
+            raise ConfigError(f"seed must be an integer >= 0, got {show(self.seed)}", param="seed")
         if self.draft_len != "auto" and (not _is_int(self.draft_len) or self.draft_len < 0):
-            raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {self.draft_len!r}",
+            raise ConfigError(f"draft_len must be an integer >= 0 (0 = target only) or 'auto', got {show(self.draft_len)}",
                               param="draft_len")
         if self.draft_window is not None and (not _is_int(self.draft_window) or self.draft_window < 0):
-            raise ConfigError(f"draft_window must be an integer >= 0 (0 = no limit), got {self.draft_window!r}",
+            raise ConfigError(f"draft_window must be an integer >= 0 (0 = no limit), got {show(self.draft_window)}",
                               param="draft_window")
         if not 0.0 <= self.confidence_stop < 1.0:
             raise ConfigError(f"confidence_stop must be in [0, 1), got {self.confidence_stop}",

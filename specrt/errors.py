@@ -3,6 +3,7 @@
 Every error a user can cause (bad input, missing or corrupt files, unsupported settings) is raised as a
 subclass of :class:`SpecrtError` with a one-line message; the CLI prints that line and exits non-zero.
 """
+import math
 
 
 class SpecrtError(Exception):
@@ -36,3 +37,11 @@ def first_line(e: BaseException, last: bool = False, limit: int | None = None) -
     s = str(e).strip()
     line = s.splitlines()[-1 if last else 0] if s else type(e).__name__
     return line if limit is None else line[:limit]
+
+
+def show(v) -> str:
+    """repr(v) for an error message; an integer too long to print sensibly (JSON integers have no limit,
+    and past 4,300 digits Python refuses to convert one) as its size."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"{'a negative' if v < 0 else 'an'} integer of about {int(v.bit_length() * math.log10(2)) + 1} digits"
+    return repr(v)

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import reprlib
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
@@ -18,6 +19,15 @@ FORMAT_VERSION = 1
 # the lean graph's past/present.
 KV_LAYOUT = "seq,batch,kv_heads,head_dim"
 LEAN_KV_LAYOUT = "batch,kv_heads,seq,head_dim"
+# The ranges a manifest's numbers are read in: what export writes lies far inside them, so a value outside is
+# damage, refused before anything is sized or allocated by it.
+MAX_LEN = 1 << 24  # cache positions
+MAX_DRAFT_LEN = 64  # the most export writes (export/pair.ExportConfig checks against it)
+MAX_VOCAB = 1 << 24  # token ids, and a model's logits rows
+MAX_COUNT = 1 << 16  # layers, KV heads, head_dim
+MAX_WIDTH = 1 << 20  # hidden and intermediate sizes
+MAX_BYTES = 1 << 50  # the weight bytes of a graph
+MAX_DEPTH = 32  # a manifest nests about 5 levels deep
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,138 @@ class Manifest:
         return m
 
 
+class ManifestProblems(PairError):
+    """A manifest that reads as one but cannot be trusted: values out of their ranges, or files it names that lie
+    outside the pair folder. `problems` has one line each (`specrt info` reports them all); the message is the
+    first."""
+
+    def __init__(self, problems: list[str]):
+        more = f" (and {len(problems) - 1} more; `specrt info` lists them)" if len(problems) > 1 else ""
+        super().__init__(problems[0] + more)
+        self.problems = problems
+
+
+class _Long:
+    """A JSON integer longer than Python's int() reads (sys.get_int_max_str_digits), kept to be named."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _parse_int(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return _Long(text)
+
+
+def _show(v) -> str:
+    """A value for a one-line message: long strings and containers cut short."""
+    return reprlib.repr(v)
+
+
+def _json_problems(raw) -> list[str]:
+    """Where the parsed manifest holds an integer too long to read or nests deeper than MAX_DEPTH."""
+    found, todo = [], [(raw, "", 0)]
+    while todo:
+        v, where, depth = todo.pop()
+        name = where if len(where) <= 60 else where[:57] + "..."
+        if isinstance(v, _Long):
+            found.append(f"{name} is {v!r}")
+        elif isinstance(v, (dict, list)) and depth >= MAX_DEPTH:
+            found.append(f"{name} is nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(v, dict):
+            todo += [(x, f"{where}.{k}" if where else k, depth + 1) for k, x in v.items()]
+        elif isinstance(v, list):
+            todo += [(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    return sorted(found)
+
+
+def _int_problem(where: str, v, lo: int, hi: int) -> str | None:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        return f"{where} must be an integer in {lo}..{hi}, got {_show(v)}"
+    return None
+
+
+def _one_of(where: str, v, allowed: tuple) -> str | None:
+    if v not in allowed:
+        return f"{where} must be one of {', '.join(map(str, allowed))}, got {_show(v)}"
+    return None
+
+
+def _object(where: str, v, optional: bool = True) -> str | None:
+    if not isinstance(v, dict) and not (optional and v is None):
+        return f"{where} must be an object{' or null' if optional else ''}, got {_show(v)}"
+    return None
+
+
+def _value_problems(m: Manifest) -> list[str]:
+    """Every value of `m` outside its type and range, one line each naming the field and the value."""
+    found = [_int_problem("vocab_size", m.vocab_size, 1, MAX_VOCAB),
+             _int_problem("max_len", m.max_len, 1, MAX_LEN),
+             _int_problem("max_draft_len", m.max_draft_len, 1, MAX_DRAFT_LEN),
+             _object("tuned", m.tuned), _object("engines", m.engines)]
+    vocab = MAX_VOCAB if found[0] else m.vocab_size  # a bad vocab_size is reported once, not per EOS id
+    found += [_int_problem(f"eos_token_ids[{i}]", t, 0, vocab - 1) for i, t in enumerate(m.eos_token_ids)]
+    for role, e in (("target", m.target), ("draft", m.draft)):
+        if e is None:
+            continue
+        found += [_int_problem(f"{role}.num_layers", e.num_layers, 1, MAX_COUNT),
+                  _int_problem(f"{role}.num_kv_heads", e.num_kv_heads, 1, MAX_COUNT),
+                  _int_problem(f"{role}.head_dim", e.head_dim, 1, MAX_COUNT),
+                  _int_problem(f"{role}.logits_width", e.logits_width, 1, MAX_VOCAB),
+                  _int_problem(f"{role}.hidden_size", e.hidden_size, 0, MAX_WIDTH),  # 0: an older export
+                  _int_problem(f"{role}.intermediate_size", e.intermediate_size, 0, MAX_WIDTH),
+                  _one_of(f"{role}.precision", e.precision, ("fp32", "int4", "fp16")),
+                  _one_of(f"{role}.dtype", e.dtype, ("float32", "float16")),
+                  _one_of(f"{role}.graph", e.graph, ("lean", "portable", "contrib")),
+                  _object(f"{role}.inputs", e.inputs, optional=False),
+                  _object(f"{role}.outputs", e.outputs, optional=False),
+                  _object(f"{role}.quantization", e.quantization)]
+        # the memory estimate adds these up (api/memory.py)
+        if (w := e.weights) is not None:
+            if not isinstance(w, dict) or sorted(w) != ["mapped", "other", "packed", "row"]:
+                found.append(f"{role}.weights must be null or an object of the byte counts packed, mapped, row and "
+                             f"other, got {_show(w)}")
+            else:
+                found += [_int_problem(f"{role}.weights.{k}", v, 0, MAX_BYTES) for k, v in w.items()]
+        if (emb := e.embedding) is not None:
+            if not isinstance(emb, dict):
+                found.append(_object(f"{role}.embedding", emb))
+            else:
+                found += [_one_of(f"{role}.embedding.bits", emb.get("bits"), (4, 8)),
+                          _int_problem(f"{role}.embedding.block_size", emb.get("block_size"), 1, MAX_COUNT)]
+    return [f for f in found if f]
+
+
+def _escapes(pair: Path, m: Manifest) -> list[str]:
+    """The files `m` names that lie outside the pair folder once links are followed (a link inside the folder
+    to a file inside it is fine), one line each."""
+    names = {}  # file name -> where the manifest names it
+    for role, e in (("target", m.target), ("draft", m.draft)):
+        if e is not None:
+            names.setdefault(e.path, f"{role}.path")
+            names.update({f: f"{role}.files" for f in e.files if f not in names})
+            names.setdefault(e.output_ids, f"{role}.output_ids")
+        names.setdefault(((m.engines or {}).get(role) or {}).get("plan"), f"engines.{role}.plan")
+    names.update({f: "tokenizer_files" for f in m.tokenizer_files if f not in names})
+    names.pop(None, None)
+    root, found = pair.resolve(), []
+    for name, where in names.items():
+        try:
+            real = (pair / name).resolve()
+        except (OSError, RuntimeError) as e:  # a loop of links
+            found.append(f"{where}: {pair / name} cannot be resolved ({e})")
+            continue
+        if not real.is_relative_to(root):
+            found.append(f"{where}: {pair / name} leaves the pair folder (a link to {real}); "
+                         "a pair's files must lie inside it")
+    return found
+
+
 def _keys(cls, d, where: str) -> None:
     """PairError naming the first key `d` lacks (or has that `cls` does not know)."""
     if not isinstance(d, dict):
@@ -170,7 +312,9 @@ def _entry(d: dict, role: str) -> ModelEntry:
 
 
 def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
-    """Read and validate a pair folder's manifest; every failure is a one-line PairError."""
+    """Read and validate a pair folder's manifest; every failure is a one-line PairError. A manifest that reads
+    as one but holds values out of their types and ranges, or names files that lie outside the folder, raises
+    ManifestProblems, which lists each."""
     pair = Path(pair_dir)
     if not pair.is_dir():
         raise PairError(f"pair folder not found: {pair}")
@@ -178,9 +322,12 @@ def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
     if not path.is_file():
         raise PairError(f"{pair} is not a specrt pair folder (no {MANIFEST_NAME}); create one with `specrt export`")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"), parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PairError(f"corrupt manifest {path}: {e}") from None
+    except RecursionError:
+        raise ManifestProblems([f"corrupt manifest {path}: the manifest is nested more than {MAX_DEPTH} levels "
+                                "deep"]) from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise PairError(f"{path} is not a specrt manifest")
     version = raw.get("format_version")
@@ -189,12 +336,19 @@ def read_manifest(pair_dir: str | os.PathLike) -> Manifest:
             f"{path} has manifest format version {version}, this specrt reads version {FORMAT_VERSION}; "
             "re-export the pair with this version of specrt"
         )
+    if found := _json_problems(raw):
+        raise ManifestProblems([f"corrupt manifest {path}: {f}" for f in found])
     try:
-        return Manifest.from_dict(raw)
+        m = Manifest.from_dict(raw)
     except PairError as e:
         raise PairError(f"corrupt manifest {path}: {e}") from None
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise PairError(f"corrupt manifest {path}: {e}") from None
+    if found := _value_problems(m):
+        raise ManifestProblems([f"corrupt manifest {path}: {f}" for f in found])
+    if found := _escapes(pair, m):
+        raise ManifestProblems(found)
+    return m
 
 
 def write_manifest(pair_dir: str | os.PathLike, manifest: Manifest) -> None:
@@ -224,11 +378,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22, on_read=None) -> 
     return h.hexdigest()
 
 
-def verify_files(pair_dir: Path, entry: ModelEntry) -> None:
+def verify_files(pair_dir: Path, entry: ModelEntry, cached: bool = True) -> None:
     """Check each graph file against the manifest's sha256.
 
     Hashing gigabytes at every load would cost seconds, so a verified file leaves a small stamp
-    (size and mtime) next to it; an unchanged file is not hashed again.
+    (size and mtime) next to it; an unchanged file is not hashed again. A byte that rots under an
+    unchanged size and mtime passes that, so `cached=False` hashes every file (`specrt info`).
     """
     for name, digest in entry.files.items():
         f = pair_dir / name
@@ -238,7 +393,7 @@ def verify_files(pair_dir: Path, entry: ModelEntry) -> None:
         stamp = f.parent / f".{f.name}.verified"
         key = f"{digest} {st.st_size} {st.st_mtime_ns}"
         try:
-            if stamp.read_text() == key:
+            if cached and stamp.read_text() == key:
                 continue
         except OSError:
             pass

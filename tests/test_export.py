@@ -256,16 +256,19 @@ def test_model_with_fewer_output_rows_than_tokenizer_ids_is_refused(hf_tiny, tmp
 # ---------------------------------------------------------------- the output folder
 
 
-def test_export_refuses_non_empty_out_and_overwrite_replaces(hf_tiny, tmp_path):
+def test_export_refuses_non_empty_out_and_overwrite_replaces_only_a_pair(hf_tiny, tmp_path):
     target, draft = hf_tiny["qwen2"]
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not empty"):
-        export(target, draft, out)
-    assert (out / "keep.txt").read_text() == "mine" and not _partials(tmp_path)
+    for overwrite in (False, True):  # a folder that is not a pair is never replaced
+        with pytest.raises(ExportError, match="not empty"):
+            export(target, draft, out, overwrite=overwrite)
+        assert (out / "keep.txt").read_text() == "mine" and not _partials(tmp_path)
+    (out / "keep.txt").unlink()
+    export(target, draft, out, max_len=32)
     export(target, draft, out, overwrite=True, max_len=64)
-    assert not (out / "keep.txt").exists() and not _partials(tmp_path)
+    assert not _partials(tmp_path)
     with specrt.load(out) as pair:
         assert pair.manifest.max_len == 64
         assert len(pair.generate("def", max_new_tokens=4).tokens) == 4

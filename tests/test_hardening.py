@@ -46,9 +46,10 @@ def write_jsonl(path: Path, recs) -> Path:
 
 def read_out(path: Path) -> dict:
     recs = [json.loads(ln) for ln in path.read_text().splitlines()]
-    ids = [r["id"] for r in recs]
-    assert len(ids) == len(set(ids)), "a record written twice"
-    return {r["id"]: r for r in recs}
+    # a line without a usable id has the error record {"id": null, "line": N, "error"}: keyed "line N"
+    keys = [r["id"] if r["id"] is not None else f"line {r['line']}" for r in recs]
+    assert len(keys) == len(set(keys)), "a record written twice"
+    return dict(zip(keys, recs))
 
 
 # ---------------------------------------------------------------------------------------------- stop strings
@@ -145,7 +146,7 @@ def test_invalid_text_and_deep_json_in_records_are_error_records(qwen_dir, tmp_p
     recs = read_out(out)
     assert "text" in recs["ok"] and "text" in recs["ok2"]
     assert "not valid text" in recs["sur"]["error"] and "not valid text" in recs["msg"]["error"]
-    assert "nested too deep" in recs["line:4"]["error"]
+    assert "nested too deep" in recs["line 4"]["error"] and recs["line 4"]["id"] is None
 
 
 def test_an_output_that_is_not_a_file_is_refused_before_work(qwen_dir, tmp_path):

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from specrt.config import GenerationConfig, SamplingConfig, needs_draft_model
-from specrt.errors import ConfigError
+from specrt.errors import ConfigError, show
 
 
 def tuned_drafter(tuned: dict | None, has_draft: bool) -> str | None:
@@ -91,7 +91,7 @@ def check(m, prompt: list[int], cfg: GenerationConfig, draft_left_out: bool = Fa
     if len(prompt) + cfg.max_new_tokens + k + 1 > m.max_len:
         room = m.max_len - len(prompt) - k - 1
         fix = f"use max_new_tokens <= {room}" if room >= 1 else "use a shorter prompt or export with a larger --max-len"
-        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) + draft_len+1 "
+        raise ConfigError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({show(cfg.max_new_tokens)}) + draft_len+1 "
                           f"exceeds max_len {m.max_len}; {fix}")
 
 
@@ -118,7 +118,11 @@ def _value(name: str, v):
         v = v if bad else int(v)
     elif kind == "num":
         bad = isinstance(v, bool) or not isinstance(v, numbers.Real)
-        v = v if bad else float(v)
+        try:
+            v = v if bad else float(v)
+        except OverflowError:  # an integer past float's range (JSON allows any number of digits)
+            raise RequestError(f"{name} must be a finite number, got an integer too large for a float",
+                               param=name) from None
     elif kind == "str":
         bad = not isinstance(v, str)
     elif kind == "draft_len":
@@ -132,7 +136,11 @@ def _value(name: str, v):
     else:
         bad = True
     if bad:
-        raise RequestError(f"{name} must be {_WHAT[kind]}, got {json.dumps(v, default=repr)[:80]}", param=name)
+        try:
+            given = show(v) if isinstance(v, int) else json.dumps(v, default=repr)[:80]
+        except ValueError:  # an integer past Python's digit limit inside a list
+            given = type(v).__name__
+        raise RequestError(f"{name} must be {_WHAT[kind]}, got {given}", param=name)
     return v
 
 

@@ -13,14 +13,19 @@ from specrt.api.text import TextCodec
 from specrt.engines import int4
 from specrt.engines import ort as ort_engines
 from specrt.errors import PairError, SpecrtError
-from specrt.manifest import read_manifest, verify_files
+from specrt.manifest import ManifestProblems, read_manifest, verify_files
 from specrt.config import MAX_NEW_TOKENS
 
 
 def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
     """Everything `specrt info` shows, as a JSON-able dict. Reads the manifest and file sizes only.
-    `budget`: a board name or a number of bytes (api/memory.parse_budget) to check the pair against."""
-    m = read_manifest(pair_dir)
+    `budget`: a board name or a number of bytes (api/memory.parse_budget) to check the pair against.
+    A manifest that reads but cannot be trusted (manifest.ManifestProblems) gives its problems alone:
+    nothing is sized by its values, and no file it names is opened."""
+    try:
+        m = read_manifest(pair_dir)
+    except ManifestProblems as e:
+        return {"problems": e.problems, "pair": str(pair_dir)}
     for e in (m.target, m.draft):
         for name in e.files if e is not None else ():
             if not (Path(pair_dir) / name).is_file():
@@ -80,14 +85,14 @@ def pair_info(pair_dir: Path, budget: str | None = None) -> dict:
 
 def problems(pair_dir: Path, m) -> list[str]:
     """What is wrong with the pair's files, one line each (empty: nothing found): every graph file against its
-    sha256 (hashed unless unchanged since it last matched), each graph's structure and inputs and outputs
-    against the manifest, the tokenizer."""
+    sha256 (always hashed: this is the check a user runs when in doubt, and bit rot keeps a file's size and
+    mtime), each graph's structure and inputs and outputs against the manifest, the tokenizer."""
     found = []
     for role, e in (("target", m.target), ("draft", m.draft)):
         if e is None:
             continue
         try:
-            verify_files(pair_dir, e)
+            verify_files(pair_dir, e, cached=False)
         except SpecrtError as ex:
             found.append(f"{role}: {ex}")
             continue

@@ -5,8 +5,11 @@ Input, one JSON object a line:
      optional "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop": str | [str]}
 Other keys are ignored. Output, one line per input record, in order of completion:
     {"id", "text", "tokens", "finish_reason", "stats"}   or   {"id", "error"}
-A line that is not a JSON object, or has no usable "id", gets the error record id "line:N". Duplicate
-ids stop the job before anything runs.
+A line that cannot be read (not JSON, an integer past Python's 4,300-digit limit, nested too deep), is not a
+JSON object or has no usable "id" (a string of valid text, or an integer) gets the error record
+{"id": null, "line": N, "error"}: null is no record's id, so it never collides with one, and a rerun knows it
+by its line number (the input is the job's own, by its sha256). Duplicate ids stop the job before anything
+runs.
 
 Guarantees of the output file:
 - every record is one `os.write` of the whole line (newline included) on an O_APPEND descriptor,
@@ -49,7 +52,7 @@ from typing import Any
 
 from specrt.api import requests
 from specrt.api.pair import load
-from specrt.api.text import TextCodec
+from specrt.api.text import TextCodec, check_text
 from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, GenerationConfig, needs_draft_model
 from specrt.decoding.batch import BatchDecoder, Request
 from specrt.decoding.proposers import History
@@ -90,11 +93,29 @@ class JobSettings:
 @dataclass
 class Record:
     line: int
-    id: Any  # as given (str or int); "line:N" when the line has no usable id
-    key: str  # json.dumps(id): identity across runs
+    id: Any  # as given (str or int); None when the line has no usable id
+    key: str  # identity across runs: record_key of its output record
     prompt: list[int] | None = None
     cfg: GenerationConfig | None = None
     error: str | None = None
+
+    def error_record(self) -> dict:
+        """{"id", "error"}; a malformed line's {"id": null, "line", "error"} (see the module's text)."""
+        if self.id is None:
+            return {"id": None, "line": self.line, "error": self.error}
+        return {"id": self.id, "error": self.error}
+
+
+def record_key(rec: dict) -> str:
+    """An output record's identity across runs: json.dumps of its id, or "line N" for a malformed line's
+    (id null), which is no JSON text and so equals no id's."""
+    if rec["id"] is None and type(rec.get("line")) is int:
+        return f"line {rec['line']}"
+    return json.dumps(rec["id"], ensure_ascii=False)
+
+
+def _malformed(n: int, why: str) -> Record:
+    return Record(n, None, f"line {n}", error=f"line {n}: {why}")
 
 
 # ---------------------------------------------------------------------------------------------- input
@@ -162,16 +183,25 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: not JSON ({e.msg})"))
+            records.append(_malformed(n, f"not JSON ({e.msg})"))
+            continue
+        except ValueError:  # what json raises for an integer past Python's int-digit limit
+            records.append(_malformed(n, f"an integer longer than {sys.get_int_max_str_digits()} digits"))
             continue
         except RecursionError:
-            records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: JSON nested too deep"))
+            records.append(_malformed(n, "JSON nested too deep"))
             continue
         rid = rec.get("id") if isinstance(rec, dict) else None
         if not isinstance(rec, dict) or isinstance(rid, bool) or not isinstance(rid, (str, int)):
             why = "not a JSON object" if not isinstance(rec, dict) else (
                 'no "id"' if rid is None else f'"id" must be a string or an integer, got {rid!r}')
-            records.append(Record(n, f"line:{n}", json.dumps(f"line:{n}"), error=f"line {n}: {why}"))
+            records.append(_malformed(n, why))
+            continue
+        try:
+            if isinstance(rid, str):
+                check_text(rid, '"id"')
+        except ConfigError as e:  # such an id could be neither written nor known again on a rerun
+            records.append(_malformed(n, str(e)))
             continue
         r = Record(n, rid, json.dumps(rid, ensure_ascii=False))
         try:
@@ -258,7 +288,7 @@ class JobOutput:
         except FileNotFoundError:
             raise JobError(f"{self.path} exists and was not written by a specrt batch job (no {self.sidecar.name}); "
                            f"{hint}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, an integer past the digit limit
             raise JobError(f"cannot read {self.sidecar}: {e}; {hint}") from None
         if theirs != identity:
             diff = [k for k in ("format", "version", "input_sha256", "pair_graphs", "tokenizer")
@@ -299,7 +329,7 @@ class JobOutput:
                 raise JobError(f"{self.path} is corrupt at line {line_no} (a damaged line followed by good ones); "
                                "repair or remove it, or use --overwrite")
             else:
-                self.done.add(json.dumps(rec["id"], ensure_ascii=False))
+                self.done.add(record_key(rec))
                 self._remember(rec.get("tokens"))
                 good_end = end
             pos = end
@@ -328,7 +358,7 @@ class JobOutput:
                 view = view[n:]
         except OSError as e:  # disk full, quota, I/O error: cut back to the last whole record
             self._failed(e, end)
-        self.done.add(json.dumps(rec["id"], ensure_ascii=False))
+        self.done.add(record_key(rec))
         self.written += 1
         self._unsynced += 1
         if self._unsynced >= FSYNC_EVERY or time.monotonic() - self._synced_at >= FSYNC_SECONDS:
@@ -390,7 +420,7 @@ def _holder(fd: int) -> str:
 def _parse_line(b: bytes) -> dict | None:
     try:
         rec = json.loads(b.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, an integer past the digit limit, too deep
         return None
     if not isinstance(rec, dict) or "id" not in rec or not ({"text", "tokens"} <= rec.keys() or "error" in rec):
         return None
@@ -561,7 +591,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
             ray, own_ray = _ray_start(ray_address, ray_init)
         for r in todo:
             if r.error is not None:
-                out.write({"id": r.id, "error": r.error})
+                out.write(r.error_record())
                 summary["errors"] += 1
         if summary["skipped"]:
             log(f"resuming: {summary['skipped']} of {len(records)} records already in {output_path}")

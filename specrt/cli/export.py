@@ -43,7 +43,8 @@ DEFAULT_DRAFT_VOCAB = 49152  # --draft-vocab for a pair with a draft (README: fa
               help="Embedding values per quantization block.")
 @click.option("--asymmetric/--symmetric", default=True, show_default=True,
               help="int4: a 4-bit zero point per block as well as a scale (closer to the weights, same speed).")
-@click.option("--overwrite", is_flag=True, help="Replace --out if it already holds something.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace --out if it holds a pair (a folder holding anything else is never replaced).")
 @click.option("--quiet", is_flag=True,
               help="No progress lines or bars (shown only when stderr is a terminal); the other messages stay.")
 @click.option("--draft-vocab", type=int, default=None,

@@ -32,7 +32,8 @@ def info(pair_dir, as_json, budget, do_measure, lone):
         raise BadInput("--no-draft-model applies to --measure (the estimate without the draft model is always shown)")
     d = pair_info(pair_dir, budget)
     if d["problems"]:  # a damaged pair: what is wrong, and no measurement
-        click.echo(json.dumps(d, indent=2) if as_json else format_info(d))
+        if as_json or "models" in d:  # without "models": a manifest whose values cannot be shown
+            click.echo(json.dumps(d, indent=2) if as_json else format_info(d))
         if not as_json:
             for p in d["problems"]:
                 click.echo(f"problem: {p}")

@@ -94,20 +94,30 @@ def library() -> Path | None:
     return None
 
 
-@functools.cache
 def _lib():
-    lib = ctypes.CDLL(os.fspath(library()))
-    lib.specrt_int4_paths.restype = ctypes.c_char_p
-    lib.specrt_int4_notes.restype = ctypes.c_char_p
-    lib.specrt_int4_pack.restype = ctypes.c_void_p
-    lib.specrt_int4_pack.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-    lib.specrt_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                       ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
-    lib.specrt_int4_pack_gated.restype = ctypes.c_void_p
-    lib.specrt_int4_pack_gated.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
-    lib.specrt_int4_free.argtypes = [ctypes.c_void_p]
-    lib.specrt_int4_reference.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int,
-                                                                                     ctypes.c_void_p]
+    """The library, loaded (PairError, in one line, when it cannot be)."""
+    return _open(library())
+
+
+@functools.cache  # per path: SPECRT_INT4_LIBRARY may name another build later in the process
+def _open(path: Path):
+    try:
+        lib = ctypes.CDLL(os.fspath(path))
+        lib.specrt_int4_paths.restype = ctypes.c_char_p
+        lib.specrt_int4_notes.restype = ctypes.c_char_p
+        lib.specrt_int4_pack.restype = ctypes.c_void_p
+        lib.specrt_int4_pack.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+        lib.specrt_int4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+        lib.specrt_int4_pack_gated.restype = ctypes.c_void_p
+        lib.specrt_int4_pack_gated.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+        lib.specrt_int4_free.argtypes = [ctypes.c_void_p]
+        lib.specrt_int4_reference.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int,
+                                                                                         ctypes.c_void_p]
+    except (OSError, AttributeError) as e:  # not a shared library of this machine, or one without specrt's functions
+        what, fix = ((f"{LIBRARY_ENV}={path}", f"unset {LIBRARY_ENV} to use the build pip installed")
+                     if os.environ.get(LIBRARY_ENV) else (os.fspath(path), BUILD_HINT))
+        raise PairError(f"{what}: cannot load it as specrt's int4 kernel library ({first_line(e)}); {fix}") from None
     return lib
 
 

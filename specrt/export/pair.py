@@ -1,12 +1,15 @@
 """`specrt export`: a draft and a target checkpoint become one self-describing pair folder.
 
 Everything is written into a temporary folder beside the destination and renamed at the end, so
-a half-written pair folder never looks valid.
+a half-written pair folder never looks valid. An existing destination is replaced only if it is empty or
+holds a pair (with `overwrite`); one holding anything else, and the current folder, are refused before any
+work, so no file of the user's is ever deleted.
 """
 from __future__ import annotations
 
 import gc
 import glob
+import json
 import logging
 import os
 import shutil
@@ -23,7 +26,7 @@ from specrt.export import load, trt_build
 from specrt.export import vocab as draft_vocab
 from specrt.export.graph import SUPPORTED_MODEL_TYPES
 from specrt.export.progress import QUIET, Progress, hash_files
-from specrt.manifest import MANIFEST_NAME, Manifest, ModelEntry, write_manifest
+from specrt.manifest import FORMAT_NAME, MANIFEST_NAME, MAX_DRAFT_LEN, Manifest, ModelEntry, write_manifest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -89,8 +92,8 @@ class ExportConfig:
             raise ExportError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_len < 16:
             raise ExportError(f"max_len must be >= 16, got {self.max_len}")
-        if not 1 <= self.max_draft_len <= 64:
-            raise ExportError(f"max_draft_len must be in 1..64, got {self.max_draft_len}")
+        if not 1 <= self.max_draft_len <= MAX_DRAFT_LEN:
+            raise ExportError(f"max_draft_len must be in 1..{MAX_DRAFT_LEN}, got {self.max_draft_len}")
         if self.block_size not in (16, 32, 64, 128, 256):
             raise ExportError(f"block_size must be one of 16, 32, 64, 128, 256, got {self.block_size}")
         if self.embedding_bits not in (None, 0, 4, 8):
@@ -116,6 +119,14 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder; choose another --out")
     try:
+        here = Path.cwd()
+    except OSError:  # the current folder was removed: --out cannot be it
+        here = None
+    if here is not None and (out.resolve() == here or out.resolve() in here.parents):
+        # renaming it fails at the very end (EBUSY), or leaves the shell in a deleted folder
+        raise ExportError(f"--out {out} is the current folder or holds it; an export replaces its --out: "
+                          "choose another folder")
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ExportError(f"cannot create {out.parent}: {e.strerror}") from None
@@ -123,8 +134,7 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
         recover(out, log)
     except OSError as e:
         raise ExportError(f"cannot tidy up after an earlier export to {out}: {e.strerror or e}") from None
-    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
-        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+    _check_out(out, cfg.overwrite)
     tmp = _aside(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -177,12 +187,34 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
             manifest = trt_build.build_pair_engines(tmp, manifest, min(cfg.prefill_chunk, cfg.max_len), log,
                                                     progress=progress)
         write_manifest(tmp, manifest)
+        _check_out(out, cfg.overwrite)  # again: files may have been put there while the export ran
         _swap_in(tmp, out)
         return manifest
     except OSError as e:
         raise ExportError(f"export failed writing {e.filename or tmp}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to replace a non-empty `out` unless it holds a pair and `overwrite` is given."""
+    if not (out.exists() and any(out.iterdir())):
+        return
+    if not _holds_pair(out):
+        raise ExportError(f"{out} is not empty and is not a specrt pair folder (no specrt {MANIFEST_NAME}); "
+                          "--overwrite replaces only a pair or an empty folder: choose another --out")
+    if not overwrite:
+        raise ExportError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
+
+
+def _holds_pair(folder: Path) -> bool:
+    """Whether `folder` has a specrt pair's manifest; read loosely, so that a damaged or older pair can
+    still be replaced."""
+    try:
+        raw = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT_NAME
 
 
 def _swap_in(new: Path, out: Path) -> None:
