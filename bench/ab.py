@@ -1,12 +1,14 @@
 """The A/B tool: variants of the drafting settings, priced, over the shipped prompts, in one process.
 
     python bench/ab.py PAIR_DIR [--repeats N] [--frozen] [--table FILE] [--json OUT] [--limit N]
-        [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] VARIANT=OVERRIDES ...
+        [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] [--sampling OVERRIDES] VARIANT=OVERRIDES ...
 
 A variant is a name and comma-separated overrides of GenerationConfig fields (draft_len, drafter,
-draft_window, confidence_stop, ngram_max, ...) and decoding.policy.PolicyConfig fields (calibration,
-widen_every, ...), e.g. `model_auto=draft_len=auto,drafter=model` and
-`no_widen=draft_len=auto,drafter=model,widen_every=0`. A variant "none" (target-only) is always run.
+draft_window, confidence_stop, ngram_max, ...), SamplingConfig fields (temperature, top_k, top_p, method)
+and decoding.policy.PolicyConfig fields (calibration, widen_every, ...), e.g.
+`model_auto=draft_len=auto,drafter=model`, `no_widen=draft_len=auto,drafter=model,widen_every=0`,
+`coupled=draft_len=3,drafter=model,method=coupled`. A variant "none" (target-only) is always run.
+`--sampling temperature=0.7,top_p=0.95`: SamplingConfig fields every variant starts from ("none" too).
 
 Every prompt runs under every variant back to back (order rotated per prompt), each variant with its
 own PolicyState (costs, acceptance, probe schedules, calibration), as a deployment running only that
@@ -40,7 +42,7 @@ import numpy as np
 
 import specrt
 from specrt.apps.bench import read_prompts
-from specrt.config import GenerationConfig
+from specrt.config import GenerationConfig, SamplingConfig
 from specrt.decoding.policy import PolicyConfig, CostModel, PolicyState
 from specrt.decoding.proposers import History
 
@@ -143,24 +145,30 @@ def priced_run(pair, meter: Meter, state: PolicyState, config: PolicyConfig, ids
     return stats
 
 
-def parse_variant(text: str) -> tuple[str, dict, PolicyConfig]:
-    """"name=field=value,field=value" -> (name, GenerationConfig overrides, PolicyConfig)."""
+def parse_variant(text: str, sampling: dict | None = None) -> tuple[str, dict, PolicyConfig]:
+    """"name=field=value,field=value" -> (name, GenerationConfig overrides, PolicyConfig). `sampling`: the
+    SamplingConfig fields a variant's own override."""
     name, _, rest = text.partition("=")
     gen_fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     auto_fields = {f.name for f in dataclasses.fields(PolicyConfig)}
-    gen, auto = {}, {}
+    sampling_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
+    gen, auto, samp = {}, {}, dict(sampling or {})
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
         try:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             value = raw  # a bare word: "auto", "hybrid"
-        if key in gen_fields:
+        if key in sampling_fields:
+            samp[key] = value
+        elif key in gen_fields:
             gen[key] = value
         elif key in auto_fields:
             auto[key] = value
         else:
-            sys.exit(f"variant {name}: {key!r} is neither a GenerationConfig nor an PolicyConfig field")
+            sys.exit(f"variant {name}: {key!r} is not a GenerationConfig, SamplingConfig or PolicyConfig field")
+    if samp:
+        gen["sampling"] = SamplingConfig(**samp)
     return name, gen, dataclasses.replace(PolicyConfig(), **auto)
 
 
@@ -179,10 +187,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", default="bench/prompts/prompts.jsonl", help="FILE[,FILE...]")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, help="onnxruntime threads (priced times do not depend on them)")
+    ap.add_argument("--sampling", default="", help="SamplingConfig fields of every variant: temperature=0.7,top_p=0.95")
     a = ap.parse_args(argv)
-    variants = {"none": ({"draft_len": 0}, PolicyConfig())}
+    sampling = parse_variant("sampling=" + a.sampling)[1].get("sampling")
+    base = dataclasses.asdict(sampling) if sampling else {}
+    variants = {"none": parse_variant("none=draft_len=0", base)[1:]}
     for text in a.variants:
-        name, gen, auto = parse_variant(text)
+        name, gen, auto = parse_variant(text, base)
         variants[name] = (gen, auto)
     pair = specrt.load(a.pair_dir, threads=a.threads)
     plist = read_prompts([Path(f) for f in a.prompts.split(",")], pair, a.limit)
@@ -213,7 +224,8 @@ def main(argv=None) -> dict:
             for v in names[shift:] + names[:shift]:
                 s = run(v, p, a.max_new_tokens, shared)
                 res[v].setdefault(p.id, []).append((s["new_tokens"], s["wall_s"], s["rounds_skipped"], s["draft_len_hist"],
-                                                    s["priced_s"], s["rounds_by_drafter"], s["tokens"]))
+                                                    s["priced_s"], s["rounds_by_drafter"], s["tokens"],
+                                                    s["accepted"], s["proposed"]))
         print("repeat", r, flush=True)
     cls = {p.id: p.kind for p in plist}
 
@@ -228,6 +240,9 @@ def main(argv=None) -> dict:
             print(c, {v: round(statistics.median(ratios(v, ids, col)), 3) for v in variants})
         print("all (median / mean)", {v: (round(statistics.median(ratios(v, cls, col)), 3),
                                           round(statistics.mean(ratios(v, cls, col)), 3)) for v in variants})
+    rows = {v: [x for pid in cls for x in res[v][pid]] for v in variants}
+    print("acceptance (accepted / proposed drafts)",
+          {v: round(sum(x[7] for x in r) / max(sum(x[8] for x in r), 1), 3) for v, r in rows.items()})
     if a.json:
         a.json.write_text(json.dumps(res))
     return res

@@ -26,13 +26,19 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+SAMPLERS = ("rejection", "coupled")
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1.0 mean off."""
+    """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1.0 mean off. `method`: how a
+    sampled request verifies drafts (decoding/sampling.py): "rejection" (a seed reproduces for the same
+    drafts) or "coupled" (a seed gives the target-only sample whatever drafts it)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    method: str = "rejection"
 
     def __post_init__(self):
         if not _is_int(self.top_k):
@@ -43,6 +49,8 @@ class SamplingConfig:
             raise ConfigError(f"top_k must be >= 0 (0 = off), got {show(self.top_k)}", param="top_k")
         if not (0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.method not in SAMPLERS:
+            raise ConfigError(f"sampling must be one of {', '.join(SAMPLERS)}, got {self.method!r}", param="sampling")
 
     @property
     def greedy(self) -> bool:

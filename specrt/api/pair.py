@@ -152,7 +152,7 @@ class Pair:
                  draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  drafter: str | None = None, on_text: Callable[[str], None] | None = None, cancel=None,
                  draft_window: int | None = None, confidence_stop: float | None = None,
-                 ngram_max: int | None = None) -> Result:
+                 ngram_max: int | None = None, sampling: str | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
         A setting left None takes its default (config.GenerationConfig, config.SamplingConfig): 128 new
@@ -173,17 +173,21 @@ class Pair:
         32 on the CPU, no limit on a GPU, alone and as a batch row (decoding.proposers.default_window).
         `confidence_stop`: a model draft stops early once its top probability falls below this.
         `ngram_max`: the longest suffix prompt lookup matches (1..16).
+        `sampling`: how a sampled request verifies drafts: "rejection" (default; a seed reproduces for the
+        same drafts) or "coupled" (a seed gives the target-only sample token for token, whatever drafts it:
+        drafter, draft length, auto's choices, a batch).
         """
         cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
-                                 confidence_stop=confidence_stop, ngram_max=ngram_max))
+                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling))
         return self.run(self.encode(prompt, chat), cfg, on_text, cancel)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
                drafter: str | None = None, cancel=None, draft_window: int | None = None,
-               confidence_stop: float | None = None, ngram_max: int | None = None) -> Stream:
+               confidence_stop: float | None = None, ngram_max: int | None = None,
+               sampling: str | None = None) -> Stream:
         """Like `generate`, but return an iterator of text chunks as they are produced.
 
             with pair.stream("def fib(n):", max_new_tokens=64) as s:
@@ -199,7 +203,7 @@ class Pair:
         """
         cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
-                                 confidence_stop=confidence_stop, ngram_max=ngram_max))
+                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling))
         ids = self.encode(prompt, chat)
         fn = _cancel_fn(cancel)
         self._check_open()
@@ -435,7 +439,8 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                    seed: int | list[int] | None = None, draft_len: int | None = None, stop: str | list[str] | None = None,
                    chat: bool = False, drafter: str | None = None, confidence_stop: float | None = None,
-                   draft_window: int | None = None, ngram_max: int | None = None, totals: dict | None = None) -> list:
+                   draft_window: int | None = None, ngram_max: int | None = None, sampling: str | None = None,
+                   totals: dict | None = None) -> list:
     """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
 
     Settings as `pair.generate`'s, but for `draft_len`: a batch's rows draft a fixed length (default: what
@@ -448,7 +453,7 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   draft_len=draft_len, stop=stop, drafter=drafter, confidence_stop=confidence_stop,
-                  draft_window=draft_window, ngram_max=ngram_max)
+                  draft_window=draft_window, ngram_max=ngram_max, sampling=sampling)
     reqs = []
     with BatchDecoder(pair, batch_size) as dec:
         for i, (p, s) in enumerate(zip(prompts, seeds)):

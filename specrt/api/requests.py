@@ -105,7 +105,7 @@ class RequestError(ConfigError):
 # specrt fields, CLI flags), each with what its value must be. None anywhere means "unset": the default.
 _KINDS = {"max_new_tokens": "int", "temperature": "num", "top_k": "int", "top_p": "num", "seed": "int",
           "stop": "stops", "draft_len": "draft_len", "drafter": "str", "draft_window": "int",
-          "confidence_stop": "num", "ngram_max": "int"}
+          "confidence_stop": "num", "ngram_max": "int", "sampling": "str"}
 FIELDS = tuple(_KINDS)
 _WHAT = {"int": "an integer", "num": "a number", "str": "a string", "stops": "a string or a list of strings",
          "draft_len": "an integer or 'auto'"}
@@ -149,6 +149,8 @@ def parse(fields: Mapping) -> dict:
     its kind: keyword arguments for `resolve` (unset ones left out). Ranges are GenerationConfig's checks."""
     out = {name: _value(name, fields[name]) for name in FIELDS if fields.get(name) is not None}
     sampling = {n: out.pop(n) for n in ("temperature", "top_k", "top_p") if n in out}
+    if "sampling" in out:
+        sampling["method"] = out.pop("sampling")
     if sampling:
         out["sampling"] = SamplingConfig(**sampling)
     return out

@@ -2,7 +2,8 @@
 
 Input, one JSON object a line:
     {"id": str | int, "prompt": str | [token ids] | "messages": [{"role", "content"}, ...],
-     optional "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop": str | [str]}
+     optional "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop": str | [str],
+     "sampling": "rejection" | "coupled"}
 Other keys are ignored. Output, one line per input record, in order of completion:
     {"id", "text", "tokens", "finish_reason", "stats"}   or   {"id", "error"}
 A line that cannot be read (not JSON, an integer past Python's 4,300-digit limit, nested too deep), is not a
@@ -27,9 +28,11 @@ order of the input nor on the batch it ran in.
 
 Draft lengths, unless the job names one: a greedy record drafts as a request alone does (`auto`: each
 round's length chosen by the policy against the cost of the batch's pass; the pair's tuned drafter, else
-hybrid), since its tokens are exact whatever drafts them; a sampled record drafts a fixed length (the
-tuned one, else 4; the tuned drafter, else the draft model), so its draws never follow timings. With
-an explicit draft_len "auto" a sampled record is a faithful sample but not draw for draw reproducible.
+hybrid), since its tokens are exact whatever drafts them, and so does a record sampled with "coupled"
+(its tokens are the target-only sample of its seed whatever drafts them); a record sampled with
+"rejection" drafts a fixed length (the tuned one, else 4; the tuned drafter, else the draft model), so
+its draws never follow timings. With an explicit draft_len "auto" such a record is a faithful sample but
+not draw for draw reproducible.
 
 `--ray`: the driver reads, validates and writes exactly as above; Ray actors each load the pair once
 (from PAIR_DIR, which must exist at that path on every node) and decode shards of records.
@@ -86,6 +89,7 @@ class JobSettings:
     drafter: str | None = None
     confidence_stop: float | None = None
     chat: bool = False
+    sampling: str | None = None
     greedy_draft_len: int | str | None = None
     greedy_drafter: str | None = None
 
@@ -146,7 +150,7 @@ def record_seed(seed: int, key: str) -> int:
 
 
 # what a record may set for itself; the rest of its settings are the job's (and part of its identity)
-RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "sampling")
 
 
 def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
@@ -154,7 +158,7 @@ def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
     fields = requests.parse({**{f: getattr(s, f, None) for f in RECORD_FIELDS}, "seed": seed,
                              **{f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}})
     cfg = GenerationConfig(draft_len=s.draft_len, drafter=s.drafter, confidence_stop=s.confidence_stop, **fields)
-    if s.greedy_draft_len is not None and cfg.sampling.greedy:
+    if s.greedy_draft_len is not None and (cfg.sampling.greedy or cfg.sampling.method == "coupled"):
         cfg = replace(cfg, draft_len=s.greedy_draft_len, drafter=s.greedy_drafter)
     return cfg
 

@@ -6,14 +6,14 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import batch_size_value, draft_len_value, errors
-from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS
+from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, SAMPLERS
 
 
 @click.command()
 @click.argument("pair_dir", type=click.Path(path_type=Path))
 @click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
               help='JSONL: one {"id", "prompt" | "messages", optional "max_new_tokens", "temperature", "top_k", '
-                   '"top_p", "seed", "stop"} per line.')
+                   '"top_p", "seed", "stop", "sampling"} per line.')
 @click.option("--output", "output_path", required=True, type=click.Path(path_type=Path),
               help='JSONL of results, one {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"} a '
                    "line. A rerun with the same output resumes where it stopped.")
@@ -35,6 +35,10 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS
                    "sampled records with a fixed length, or "
                    "ngram for a pair without a draft model); suffix: prompt lookup over the record and the outputs "
                    "of the records before it.")
+@click.option("--sampling", type=click.Choice(SAMPLERS), default=None,
+              help="How sampled records verify drafts (a record's own value wins): rejection (default) or coupled "
+                   "(a record's tokens are the target-only sample of its seed whatever drafts them; such records "
+                   "then draft auto like greedy ones).")
 @click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
               help="Most tokens of earlier outputs the suffix drafter keeps (4 bytes each; the oldest go first).")
 @click.option("--chat/--no-chat", default=False, show_default=True,
@@ -54,7 +58,8 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS
                    "(Ray actors run on the CPU).")
 @errors
 def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-          drafter, history_cap, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress, device):
+          drafter, sampling, history_cap, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress,
+          device):
     """Run a JSONL file of prompts through batched speculative decoding into a JSONL file of results.
 
     Output lines are appended atomically and fsync'ed; a killed job resumes when rerun with the same
@@ -64,7 +69,7 @@ def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, tempera
     from specrt.apps.jobs import JobSettings, run_job
 
     settings = JobSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, draft_len=draft_len, drafter=drafter, chat=chat)
+                           seed=seed, draft_len=draft_len, drafter=drafter, chat=chat, sampling=sampling)
     run_job(pair_dir, input_path, output_path, settings, batch_size=batch_size, overwrite=overwrite,
             ray_address=ray_address, ray_actors=ray_actors, ray_cpus_per_actor=ray_cpus_per_actor,
             progress=progress, device=device, history_cap=history_cap)

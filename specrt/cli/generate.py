@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from specrt.cli.common import device_option, draft_len_value, errors, load_pair
-from specrt.config import MAX_NEW_TOKENS
+from specrt.config import MAX_NEW_TOKENS, SAMPLERS
 
 
 @click.command()
@@ -35,13 +35,16 @@ from specrt.config import MAX_NEW_TOKENS
                    "further behind, it reads only the last ones (0 = no limit; default: 32 on the CPU, none on a GPU).")
 @click.option("--ngram-max", type=int, default=16, show_default=True,
               help="Longest suffix (1..16 tokens) the prompt-lookup drafter matches (ngram, hybrid).")
+@click.option("--sampling", type=click.Choice(SAMPLERS), default=None,
+              help="How a sampled request verifies drafts: rejection (default; a seed reproduces for the same drafts) "
+                   "or coupled (a seed gives the target-only sample token for token, whatever drafts it).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
 @device_option
 @errors
 def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
-             draft_window, ngram_max, stop, chat, as_json):
+             draft_window, ngram_max, sampling, stop, chat, as_json):
     """Generate text with speculative decoding from a pair folder."""
     from specrt.config import needs_draft_model
     from specrt.manifest import read_manifest
@@ -52,7 +55,8 @@ def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p
     with load_pair(pair_dir, device, draft_model=model) as pair:
         cfg = pair.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop=list(stop), draft_len=draft_len, drafter=drafter,
-                                 confidence_stop=confidence_stop, draft_window=draft_window, ngram_max=ngram_max))
+                                 confidence_stop=confidence_stop, draft_window=draft_window, ngram_max=ngram_max,
+                                 sampling=sampling))
         ids = pair.encode(prompt, chat=chat)
         stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
         res = pair.run(ids, cfg, on_text=stream)

@@ -207,7 +207,7 @@ class _Row:
     stream: Any  # api/text.TextStream, or TokenStream
     policy: Policy
     stats: Stats
-    rng: np.random.Generator
+    rng: np.random.Generator | sampling.Coupled  # its randomness (sampling.source)
     seq: list[int]
     start: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
@@ -359,7 +359,8 @@ class Decoder:
         cfg = req.cfg
         policy = self.policy_for(r, cfg)
         k = policy.max_k
-        row = _Row(req=req, stream=self.text(cfg.stop), policy=policy, rng=np.random.default_rng(cfg.seed),
+        row = _Row(req=req, stream=self.text(cfg.stop), policy=policy,
+                   rng=sampling.source(cfg.seed, cfg.sampling.method == "coupled"),
                    seq=list(req.prompt), stats=Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k,
                                                      accepted_at=[0] * k, prompt_tokens=len(req.prompt),
                                                      batch_size=self.B))

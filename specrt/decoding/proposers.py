@@ -59,9 +59,9 @@ class Proposer(Protocol):
         nothing but what `propose` may reuse for the same sequence."""
     def behind(self, seq: list[int]) -> int:
         """Tokens its next proposal reads before it can draft (what a catch-up costs)."""
-    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
               confidence_stop: float = 0.0) -> Steps: ...
-    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
                 confidence_stop: float = 0.0) -> Proposal: ...
     def commit(self, valid: int) -> None:
         """The first `valid` tokens of the sequence are committed."""
@@ -171,7 +171,7 @@ class ModelProposer:
             self.memory.seq, self.memory.off = list(prompt[:self.off + keep]), self.off
         self.engine.truncate(keep)
 
-    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
               confidence_stop: float = 0.0) -> Steps:
         """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
         if self.skip is not None and not self.fresh and self._unread(seq) > self.skip:
@@ -206,7 +206,7 @@ class ModelProposer:
                 break
         return Proposal(np.array(d, np.int64), None if p is None else np.stack(p), passes=len(d))
 
-    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
                 confidence_stop: float = 0.0) -> Proposal:
         steps, catchup = self.steps(seq, k, cfg, rng, confidence_stop), (0.0, 0)
         feed = next(steps)
@@ -268,7 +268,7 @@ class LookupProposer:
             return f"{family}-any"
         return f"{family}8" if n >= 8 else f"{family}{min(n, 3)}"
 
-    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
                 confidence_stop: float = 0.0) -> Proposal:
         if self._found is not None and self._at[0] == len(seq) and self._at[1] >= k:  # what the last find found
             found = self._found
@@ -277,7 +277,7 @@ class LookupProposer:
         self.name, self.kind = found.name, found.kind
         return Proposal(found.tokens[:k])
 
-    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator,
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
               confidence_stop: float = 0.0) -> Steps:
         return self.propose(seq, k, cfg, rng)
         yield  # a generator that needs no pass
