@@ -403,18 +403,18 @@ def test_slow_clients_are_cut_off(server):
     """A connection that never finishes its headers is closed after --header-timeout; a body that never
     finishes gets a 408 after --body-timeout; connections past --max-connections get 503."""
     s = _connect(server)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
     t = time.monotonic()
     assert s.recv(100) == b"" and time.monotonic() - t < 5  # closed by the server
     s.close()
     s = _connect(server)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
     reply = s.recv(4096)
     assert b" 408 " in reply.split(b"\r\n")[0], reply[:200]
     s.close()
     held = [_connect(server) for _ in range(12)]
     for h in held:
-        h.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # open, headers unfinished
+        h.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # open, headers unfinished
     time.sleep(0.3)
     extra = httpx.get(server.url("/health"), timeout=10)
     assert extra.status_code == 503
@@ -448,26 +448,63 @@ def test_seeded_sampling_through_the_server_alone_equals_batched(server):
     assert got.json()["choices"][0]["text"] == alone
 
 
+def test_coupled_sampling_through_the_server_is_the_target_only_sample_alone_or_batched(server):
+    """With "sampling": "coupled" a seed's text is the target-only sample whatever drafts it: here auto
+    lengths with the hybrid drafter, as a row of the batched decoder, against draft length 0 alone."""
+    text = "def long_function_name(argument_one, argument_two, argument_three):\n    " * 2
+    body = {"prompt": text, "max_tokens": 16, "temperature": 0.9, "seed": 9, "sampling": "coupled"}
+    alone = _post(server, "/v1/completions", {**body, "draft_len": 0}).json()["choices"][0]["text"]
+    from concurrent.futures import ThreadPoolExecutor
+
+    for _ in range(3):  # as above: retried if it happened to run alone
+        with ThreadPoolExecutor(9) as ex:
+            fillers = [ex.submit(_post, server, "/v1/completions", {"prompt": f"x{i}", "max_tokens": 200,
+                                                                    "temperature": 0}) for i in range(8)]
+            time.sleep(0.1)
+            got = _post(server, "/v1/completions", {**body, "draft_len": "auto", "drafter": "hybrid"})
+            assert all(f.result().status_code == 200 for f in fillers)
+        if got.json()["specrt"]["batch_size"] > 1:
+            break
+    assert got.json()["specrt"]["batch_size"] > 1
+    assert got.json()["choices"][0]["text"] == alone
+
+
 # ---------------------------------------------------------------------------------------------- fuzzing
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, width=32) |
-                    st.text(max_size=8), lambda inner: st.lists(inner, max_size=3) |
-                    st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
+# What Python's json reads besides what clients usually send: huge integers, some past the 4,300 digits
+# Python reads one from (written with that bound lifted, _fuzz), floats at float64's ends and Infinity/NaN,
+# and lone surrogates (JSON's "\ud800") in any text.
+HUGE = st.builds(lambda n, sign: sign * 10 ** n, st.integers(4301, 5000) | st.integers(300, 4300), st.sampled_from([1, -1]))
+EXTREME = st.sampled_from([5e-324, -5e-324, 1e-310, 1.7976931348623157e308, -1.7976931348623157e308,
+                           float("inf"), float("-inf"), float("nan")])
+
+
+def _text(max_size: int, min_size: int = 0):
+    """Text, or text holding a lone surrogate."""
+    return st.text(min_size=min_size, max_size=max_size) | st.tuples(
+        st.text(max_size=max_size // 2), st.characters(categories=["Cs"]), st.text(max_size=max_size // 2)).map("".join)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | HUGE | st.floats(allow_nan=False, width=32) |
+                    EXTREME | _text(8), lambda inner: st.lists(inner, max_size=3) |
+                    st.dictionaries(_text(6), inner, max_size=3), max_leaves=8)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "response_format", "logit_bias",
           "frequency_penalty", "presence_penalty", "echo", "best_of", "suffix", "draft_len", "drafter", "tools", "user"]
-GOODISH = {"prompt": st.text(min_size=1, max_size=20) | st.lists(st.integers(0, 400), min_size=1, max_size=5),
-           "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                                       "content": st.text(max_size=20)}), min_size=1, max_size=2),
-           "max_tokens": st.integers(-1, 3), "temperature": st.floats(-1, 3, width=32), "stream": st.booleans(),
-           "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=18)}
+GOODISH = {"prompt": _text(20, min_size=1) | st.lists(st.integers(0, 400), min_size=1, max_size=5),
+           "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | _text(8),
+                                                       "content": _text(20)}), min_size=1, max_size=2),
+           "max_tokens": st.integers(-1, 3) | HUGE, "temperature": st.floats(-1, 3, width=32) | EXTREME,
+           "top_p": st.floats(0, 1) | EXTREME, "seed": st.integers(-1, 2**64), "stream": st.booleans(),
+           "stop": _text(3) | st.lists(_text(3), max_size=18), "model": st.just("pair-qwen2") | _text(10),
+           "drafter": st.sampled_from(["model", "ngram", "suffix", "hybrid"]) | _text(8)}
 
 
 def _short(b: dict) -> dict:
     """A generation of at most a few tokens (any other type of value stays, to be refused)."""
     for name in ("max_tokens", "max_completion_tokens"):
         v = b.get(name, 3)
-        b[name] = v if not isinstance(v, int) or isinstance(v, bool) or v < 4 else 3
+        b[name] = v if not isinstance(v, int) or isinstance(v, bool) or v < 4 or v > 10 ** 4300 else 3
     return b
 
 
@@ -492,7 +529,12 @@ def _fuzz(server, n: int, seed: int):
     def run(route, body):
         _check_reply(_post(server, route, content=json.dumps(body).encode()))
 
-    run()
+    digits = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # json.dumps writes HUGE
+    try:
+        run()
+    finally:
+        sys.set_int_max_str_digits(digits)
     for path in ("/health", "/v1/models", "/v1/models/pair-qwen2", "/v1/models/x", "/metrics", "/nope"):
         _check_reply(httpx.get(server.url(path), timeout=30))
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200

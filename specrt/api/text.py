@@ -2,9 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from specrt.errors import ConfigError, PairError, first_line
+
+# encode_batch (below) would otherwise run on tokenizers' thread pool, after which every fork (a subprocess)
+# prints a warning on stderr; one text gains nothing from it
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class TextCodec:
@@ -31,7 +36,9 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         check_text(text, "the prompt")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of Python's lock while it works (encode holds it): a server thread tokenizing
+        # a long prompt then does not stall the event loop
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

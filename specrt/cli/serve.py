@@ -4,8 +4,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
@@ -41,6 +43,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _origin(value: str) -> str:
+    """A --cors-origin: `*`, or scheme://host[:port] as a browser sends it in Origin (lowercase)."""
+    try:
+        u = urlsplit(value)
+    except ValueError:
+        u = None
+    if value != "*" and not (u and u.scheme and u.netloc and not (u.path or u.query or u.fragment)):
+        raise BadInput(f"--cors-origin {value!r} is not a web origin: scheme://host[:port] with no path (such as "
+                       "http://localhost:3000), or *")
+    return value.lower()
+
+
 @click.command()
 @click.argument("pair_dir", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -49,6 +63,12 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--api-key", default=None, envvar="SPECRT_API_KEY", show_envvar=True,
               help="Require `Authorization: Bearer KEY` on every route but /health.")
 @click.option("--model-name", default=None, help="The model id clients name (default: the pair folder's name).")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A name clients call this server by, besides localhost and --host (repeatable). Without --api-key, "
+                   "a request whose Host names another gets HTTP 421 (DNS rebinding).")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin (scheme://host[:port], or *) whose pages may call this server from a browser "
+                   "(repeatable); a request from any other origin gets HTTP 403.")
 @click.option("--max-queue", type=click.IntRange(1), default=16, show_default=True,
               help="Requests that may wait; beyond them a request gets HTTP 429 with Retry-After.")
 @click.option("--batch-size", default="auto", show_default=True, callback=batch_size_value,
@@ -80,14 +100,16 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Open connections served at once; beyond them a connection gets HTTP 503.")
 @device_option
 @errors
-def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_size, batch_draft_len, draft_len,
-          drafter, history, history_cap, draft_model, max_body_bytes, header_timeout, body_timeout, max_connections):
+def serve(pair_dir, device, host, port, api_key, model_name, allow_hosts, cors_origins, max_queue, batch_size,
+          batch_draft_len, draft_len, drafter, history, history_cap, draft_model, max_body_bytes, header_timeout,
+          body_timeout, max_connections):
     """Serve a pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics) until Ctrl-C or SIGTERM."""
     try:
-        from specrt.apps.serve.http import ServeSettings, serve as run_server
+        from specrt.apps.serve.http import LOCAL_HOSTS, ServeSettings, host_name, serve as run_server
     except ImportError as e:
         raise BadInput(f"specrt serve needs the serve extra ({e.name} is missing): pip install 'specrt[serve]'") from None
+    from specrt.api.text import check_text
     from specrt.apps.serve.scheduler import Scheduler
     from specrt.config import needs_draft_model
     from specrt.errors import ConfigError
@@ -102,6 +124,12 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if history_cap < 1:
         raise BadInput(f"--history-cap must be >= 1 (tokens), got {history_cap}")
+    name = model_name or Path(os.path.abspath(pair_dir)).name
+    check_text(name, "--model-name" if model_name else f"the pair folder's name {name!r} (the default --model-name)")
+    for h in allow_hosts:
+        if not host_name(h) or re.search(r"[/@\s]", h):
+            raise BadInput(f"--allow-host {h!r} is not a host name (such as mybox.lan, a port aside)")
+    hosts, cors_origins = (*LOCAL_HOSTS, host, *allow_hosts), tuple(map(_origin, cors_origins))
     sock = _bind(host, port)
     if not draft_model and drafter is not None and needs_draft_model(drafter):
         raise BadInput(f"--drafter {drafter} needs the draft model, which --no-draft-model leaves out")
@@ -117,10 +145,10 @@ def serve(pair_dir, device, host, port, api_key, model_name, max_queue, batch_si
                     raise
                 if batch_size == "auto":
                     click.echo(f"note: batch size {b} does not fit ({e}); trying {sizes[sizes.index(b) + 1]}", err=True)
-        name = model_name or Path(os.path.abspath(pair_dir)).name
         settings = ServeSettings(model=name, api_key=api_key or None, max_body_bytes=max_body_bytes,
                                  draft_len=draft_len, drafter=drafter, header_timeout=header_timeout,
-                                 body_timeout=body_timeout, max_connections=max_connections)
+                                 body_timeout=body_timeout, max_connections=max_connections, hosts=hosts,
+                                 cors_origins=cors_origins)
         bound = sock.getsockname()
         url = f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}/v1"
 

@@ -1,12 +1,13 @@
 """`specrt serve`: an OpenAI-compatible HTTP server over one pair (FastAPI + uvicorn, the `serve` extra).
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not),
-GET /v1/models, GET /health, GET /metrics (Prometheus text). Requests run through
+GET /v1/models, GET (or HEAD) /health, GET /metrics (Prometheus text). Requests run through
 apps/serve/scheduler.Scheduler; this module only translates between HTTP and it.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status that
-fits (400 bad field, 401 key, 404 route or model, 408 body too slow, 413 body too big, 429 queue full,
-500 anything else: one line in the log, never a traceback to the client).
+fits (400 bad field or malformed HTTP, 401 key, 403 web origin, 404 route or model, 408 body too slow,
+413 body too big, 415 body not sent as JSON, 421 foreign Host, 429 queue full, 500 anything else: one
+line in the log, never a traceback to the client).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import json
 import logging
 import math
 import secrets
+import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -40,6 +43,8 @@ UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias"
                "top_logprobs": (0,), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
                "echo": (False,), "best_of": (1,), "suffix": ("",), "n": (1,)}
 MAX_HEADER_BYTES = 16384  # a request's line and headers
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # the names a keyless server answers to besides its own address
+BIG_BODY = 16 << 10  # bytes: a body above it is parsed in the big prompts' thread (tokenizing: ~1 s a MB)
 
 
 class APIError(Exception):
@@ -67,6 +72,16 @@ class ServeSettings:
     header_timeout: float = 10.0  # seconds a connection may take to send a request's headers
     body_timeout: float = 30.0  # seconds a request may take to send its body
     max_connections: int = 64  # open connections (and running handlers) beyond which uvicorn answers 503
+    hosts: tuple[str, ...] = LOCAL_HOSTS  # Host names (port aside) a server without a key answers
+    cors_origins: tuple[str, ...] = ()  # web origins whose pages may call it ("*": any)
+
+
+def host_name(value: str) -> str:
+    """A Host header's (or --allow-host's) name, lowercase and without its port: '[::1]:80' -> '::1'."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        return v[1:].partition("]")[0]
+    return v if v.count(":") > 1 else v.partition(":")[0]  # a bare IPv6 address keeps its colons
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -249,30 +264,61 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
     if settings.api_key is not None:
         app.add_middleware(_KeyCheck, key=settings.api_key.encode(), reject=lambda: error_response(
             APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")))
+    if settings.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
 
-    async def read_body(request: Request) -> dict:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+
+    def refuse(scope, e: APIError):
+        log.info("%s %s -> %d: %s", scope["method"], scope["path"], e.status, e.message)
+        return error_response(e)
+
+    # outermost, so that a page of another site gets nothing of the routes, nor a CORS preflight's answer
+    hosts = None if settings.api_key is not None else frozenset(map(host_name, settings.hosts))
+    app.add_middleware(_Guard, hosts=hosts, origins=frozenset(settings.cors_origins), refuse=refuse)
+    # A body is parsed, templated and tokenized off the event loop (tokenizing takes ~1 s a MB), in one of two
+    # threads: big bodies in one, so that they neither take every core from decoding nor make small requests
+    # wait behind them, small ones (a few ms at most) in the other. Two threads, not a pool that grows.
+    bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-prompts")
+    big_bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-big-prompts")
+
+    async def read_body(request: Request) -> bytearray:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
-            raise APIError(413, f"the body has {size} bytes; the limit is {settings.max_body_bytes}")
+            raise APIError(413, f"the body has {size} bytes; the limit is {settings.max_body_bytes} (--max-body-bytes)")
+        # a page of another site can send text/plain (or no type) without the browser asking first: only JSON
+        # declared as such is read
+        kind = request.headers.get("content-type", "")
+        if kind.partition(";")[0].strip().lower() != "application/json":
+            raise APIError(415, "the body must be JSON sent with Content-Type: application/json, got "
+                                + (repr(kind) if kind else "none"), code="unsupported_media_type")
         raw = bytearray()
 
         async def read():
             async for part in request.stream():
                 raw.extend(part)
                 if len(raw) > settings.max_body_bytes:
-                    raise APIError(413, f"the body exceeds the limit of {settings.max_body_bytes} bytes")
+                    raise APIError(413, f"the body exceeds the limit of {settings.max_body_bytes} bytes "
+                                        "(--max-body-bytes)")
 
         try:
             await asyncio.wait_for(read(), settings.body_timeout)
         except asyncio.TimeoutError:
             raise APIError(408, f"the body did not arrive within {settings.body_timeout:g} s",
                            code="request_timeout") from None
+        return raw
+
+    def parse_body(raw: bytearray) -> dict:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
         except RecursionError:
             raise APIError(400, "the body is not valid JSON: it nests too deep") from None
+        except ValueError:  # Python's bound on the digits an int is read from
+            raise APIError(400, f"the body holds an integer of more than {sys.get_int_max_str_digits()} "
+                                "digits") from None
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         model = body.get("model")
@@ -281,7 +327,7 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
                            param="model", code="model_not_found", kind="not_found_error")
         return body
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok", "model": settings.model}
 
@@ -311,14 +357,20 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
     async def completions(request: Request):
         return await complete(request, chat=False)
 
-    async def complete(request: Request, chat: bool):
-        body = await read_body(request)
+    def parse(raw: bytearray, chat: bool):
+        """The request in a body, off the event loop: (prompt ids, settings, stream, usage in the stream)."""
+        body = parse_body(raw)
         prompt = prompt_ids(pair, body, chat)
         cfg = generation_config(pair, body, prompt, settings)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
-        usage_in_stream = _field(options, "include_usage", (bool,), False) and stream
+        return prompt, cfg, stream, _field(options, "include_usage", (bool,), False) and stream
+
+    async def complete(request: Request, chat: bool):
+        raw = await read_body(request)
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
+        prompt, cfg, stream, usage_in_stream = await loop.run_in_executor(
+            big_bodies if len(raw) > BIG_BODY else bodies, parse, raw, chat)
 
         def deliver(item):  # from the worker thread; a whole response needs no text chunks
             if stream or not isinstance(item, str):
@@ -353,6 +405,31 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
             job.cancel()  # a no-op once it finished; ends it if this handler was cancelled
 
     return app
+
+
+class _Guard:
+    """Refuses what a web page could make a user's browser send, before any route runs: a Host that is not
+    one of `hosts` (DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1), unless a
+    key is required (`hosts` None: the page does not have it), and an Origin not in `origins` (a request from
+    a page of another site). A plain ASGI middleware, as _KeyCheck."""
+
+    def __init__(self, app, hosts: frozenset | None, origins: frozenset, refuse):
+        self.app, self.hosts, self.origins, self.refuse = app, hosts, origins, refuse
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            host = headers.get(b"host", b"").decode("latin-1")
+            origin = headers.get(b"origin")
+            if self.hosts is not None and host_name(host) not in self.hosts:
+                e = APIError(421, f"this server does not answer to the Host {host!r} (localhost, its address, or "
+                                  "one given with --allow-host)", code="host_not_allowed")
+                return await self.refuse(scope, e)(scope, receive, send)
+            if origin is not None and "*" not in self.origins and origin.decode("latin-1") not in self.origins:
+                e = APIError(403, f"requests from pages of {origin.decode('latin-1')!r} are refused (allow an origin "
+                                  "with --cors-origin)", code="origin_not_allowed")
+                return await self.refuse(scope, e)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class _KeyCheck:
@@ -460,6 +537,7 @@ def _header_deadline_protocol(timeout: float):
 
     class Protocol(H11Protocol):
         _deadline = None
+        _refused = False  # a malformed request was answered: what the client still sends is dropped
 
         def _arm(self):
             self._disarm()
@@ -494,6 +572,29 @@ def _header_deadline_protocol(timeout: float):
         def connection_lost(self, exc):
             self._disarm()
             super().connection_lost(exc)
+
+        def data_received(self, data):
+            if not self._refused:
+                super().data_received(data)
+
+        def send_400_response(self, msg):
+            # h11 refused the request before the app saw it (a bad request line, header or Content-Length,
+            # headers over MAX_HEADER_BYTES): the error object of every other refusal, not uvicorn's plain text
+            import h11
+
+            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                e = APIError(400, "malformed HTTP request: a bad request line, header or Content-Length, or "
+                                  f"headers over {MAX_HEADER_BYTES} bytes")
+                body = json.dumps(e.body()).encode()
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                           (b"connection", b"close")]
+                for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            # Closing with the client's data unread would reset the connection, and a client still sending (a
+            # 200 KB header) would lose the answer: stop writing, drop what comes, close at its end or in 1 s.
+            self._refused = True
+            self.transport.write_eof()
+            self.loop.call_later(1.0, self.transport.close)
 
     return Protocol
 
