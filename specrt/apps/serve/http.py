@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import secrets
 import sys
 import threading
@@ -281,7 +282,7 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
     # threads: big bodies in one, so that they neither take every core from decoding nor make small requests
     # wait behind them, small ones (a few ms at most) in the other. Two threads, not a pool that grows.
     bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-prompts")
-    big_bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-big-prompts")
+    big_bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-big-prompts", initializer=_lower_priority)
 
     async def read_body(request: Request) -> bytearray:
         size = request.headers.get("content-length")
@@ -405,6 +406,14 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
             job.cancel()  # a no-op once it finished; ends it if this handler was cancelled
 
     return app
+
+
+def _lower_priority() -> None:
+    """This thread yields the cores to decoding (Linux: a thread's own nice value; elsewhere nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class _Guard:
