@@ -59,13 +59,20 @@ def test_a_job_drafts_coupled_records_auto_and_each_is_its_target_only_sample(qw
     r = CliRunner().invoke(main, ["batch", str(qwen_dir), "--input", str(inp), "--output", str(out),
                                   "--max-new-tokens", "24", "--batch-size", "3", "--no-progress"])
     assert r.exit_code == 0, r.output
-    recs = {json.loads(x)["id"]: json.loads(x) for x in out.read_text().splitlines()}
-    for i, p in enumerate(PROMPTS * 2):
-        rec = recs[f"r{i}"]
-        assert rec["stats"]["draft_len"] == "auto"
-        want = qwen_pair.generate(p, seed=record_seed(0, json.dumps(f"r{i}")), sampling="coupled", draft_len=0,
-                                  **SAMPLED)
-        assert rec["tokens"] == want.tokens, i
+    first = out.read_text().splitlines()
+    # resumed: the output cut back to its first 3 records, the rest run again at another batch size
+    out.write_text("\n".join(first[:3]) + "\n")
+    r = CliRunner().invoke(main, ["batch", str(qwen_dir), "--input", str(inp), "--output", str(out),
+                                  "--max-new-tokens", "24", "--batch-size", "2", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    for lines in (first, out.read_text().splitlines()):
+        recs = {json.loads(x)["id"]: json.loads(x) for x in lines}
+        for i, p in enumerate(PROMPTS * 2):
+            rec = recs[f"r{i}"]
+            assert rec["stats"]["draft_len"] == "auto"
+            want = qwen_pair.generate(p, seed=record_seed(0, json.dumps(f"r{i}")), sampling="coupled", draft_len=0,
+                                      **SAMPLED)
+            assert rec["tokens"] == want.tokens, i
 
 
 def test_an_unknown_sampling_method_is_one_line(qwen_pair, qwen_dir):

@@ -295,6 +295,11 @@ def test_coupled_picks_are_exact_samples_over_seeds_and_over_positions():
     big[[5, 70000, 151935]] = [0.5, 0.3, 0.2]
     counts = np.bincount([Coupled(s).pick(big, 3) for s in range(3000)], minlength=151936)[[5, 70000, 151935]]
     assert counts.sum() == 3000 and chi2_pvalue(counts, np.array([0.5, 0.3, 0.2])) > P_MIN
+    # after top-k and top-p: a sample of the warped distribution, nothing outside it
+    logits = np.random.default_rng(4).normal(scale=2.0, size=(1, 40))
+    warped = warp(logits, SamplingConfig(0.8, top_k=8, top_p=0.9))[0]
+    counts = np.bincount([Coupled(s).pick(warped, 0) for s in range(6000)], minlength=40)
+    assert counts[warped == 0].sum() == 0 and chi2_pvalue(counts, warped) > P_MIN
 
 
 def test_coupled_noise_is_a_function_of_seed_position_and_id_alone():

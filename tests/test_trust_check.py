@@ -122,8 +122,10 @@ def test_check_passes_on_a_good_pair(qwen_dir):
     r = run(check, qwen_dir, "--samples", 200)
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("greedy speculative (drafter model, draft_len 4) vs greedy target-only, 48 tokens")
-    assert [ln for ln in lines if ln.startswith("prompt ")] == [f"prompt {i}: equal (48 tokens)" for i in range(1, 5)]
+    assert lines[0].startswith("speculative (drafter model, draft_len 4) vs target-only, 48 tokens, greedy and sampled "
+                               "with coupling")
+    assert [ln for ln in lines if ln.startswith("prompt ")] == [
+        f"prompt {i}: greedy equal (48 tokens); sampled equal (48 tokens)" for i in range(1, 5)]
     assert "sampling: chi-square" in r.stdout and lines[-1] == "check passed"
     assert r.stderr == ""
 
@@ -135,7 +137,7 @@ def test_check_json_and_prompts_file(stat_dir, tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["ok"] and [p["id"] for p in d["prompts"]] == ["a", "b"]
-    assert all(p["verdict"] == "equal" for p in d["prompts"])
+    assert all(p["verdict"] == p["sampled"]["verdict"] == "equal" for p in d["prompts"])
     assert d["sampling"]["prompt"] == "a" and d["sampling"]["samples"] == 100 and d["sampling"]["ok"]
     assert (d["draft_len"], d["max_new_tokens"], d["threshold"]) == (3, 20, 0.05)
 
@@ -144,7 +146,7 @@ def test_check_reports_a_bug_and_exits_1(qwen_dir, monkeypatch):
     _accept_everything(monkeypatch)
     r = run(check, qwen_dir, "--samples", 0)
     assert r.exit_code == 1, r.output
-    assert any(ln.startswith("prompt ") and ln.endswith(": BUG") and "differs at token" in ln
+    assert any(ln.startswith("prompt ") and "greedy differs at token" in ln and ": BUG;" in ln
                for ln in r.stdout.splitlines()), r.stdout
     assert r.stdout.splitlines()[-1].startswith("check FAILED: ")
     assert "sampling" not in r.stdout and "Traceback" not in r.output
@@ -161,21 +163,35 @@ def test_check_sampling_failure_exits_1(stat_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sampling, "accept_sample", accept_all)  # greedy stays right: only sampling breaks
     r = run(check, stat_dir, "--prompts", f, "--max-new-tokens", 16)
     assert r.exit_code == 1, r.output
-    assert "prompt 1: equal" in r.stdout
+    assert "prompt 1: greedy equal" in r.stdout
     assert "FAILED (p < 0.0001)" in r.stdout and r.stdout.splitlines()[-1] == "check FAILED: the sampling test failed"
+
+
+def test_check_compares_coupled_samples_exactly_and_reports_a_broken_verifier(qwen_dir, monkeypatch):
+    """A coupled verifier that accepts every draft: greedy stays right, the sampled comparison is a BUG
+    with the tokens' coupled scores far apart."""
+    from specrt.decoding import sampling
+
+    monkeypatch.setattr(sampling, "accept_coupled", lambda d, p, noise, pos: (len(d), noise.pick(p[len(d)], pos + len(d))))
+    r = run(check, qwen_dir, "--samples", 0)
+    assert r.exit_code == 1, r.output
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("prompt ")]
+    assert all("greedy equal" in ln for ln in rows), r.stdout
+    assert any("sampled differs at token" in ln and ln.endswith(": BUG") for ln in rows), r.stdout
 
 
 def test_check_near_tie_is_numerical(qwen_dir, monkeypatch):
     real = chk.first_divergence
 
-    def near_tie(pair, ids, n, k, drafter=None):
-        d = real(pair, ids, n, k, drafter)
+    def near_tie(pair, ids, n, k, drafter=None, sampling=None, seed=0):
+        d = real(pair, ids, n, k, drafter, sampling, seed)
         return {**d, "equal": False, "index": 7, "margin": 0.004}
 
     monkeypatch.setattr(chk, "first_divergence", near_tie)
     r = run(check, qwen_dir, "--samples", 0, "--limit", 2)
     assert r.exit_code == 0, r.output
-    assert "prompt 1: differs at token 7, target logit margin 0.004: numerical" in r.stdout
+    assert ("prompt 1: greedy differs at token 7, target logit margin 0.004: numerical; sampled differs at token 7, "
+            "target logit margin 0.004: numerical") in r.stdout
     assert r.stdout.splitlines()[-1] == "check passed"
 
 

@@ -1,7 +1,8 @@
-"""Is this pair lossless here? Greedy agreement with target-only decoding, and a sampling test.
+"""Is this pair lossless here? Agreement with target-only decoding, greedy and sampled, and a sampling test.
 
-- `first_divergence`: greedy speculative vs greedy target-only; where they part, the target's
-  logit margin between the two candidates tells a near-tie (numerics) from a bug.
+- `first_divergence`: speculative vs target-only, greedy or sampled with coupling (a seed's sample is
+  the target-only one token for token); where they part, the target's logit margin between the two
+  candidates (sampled: with the position's noise added) tells a near-tie (numerics) from a bug.
 - `second_token_test`: the second generated token of speculative sampling (the first one that
   goes through draft-and-verify) against its exact distribution under the target, chi-square.
 - `check_pair`: both, the way `specrt check` runs them (every prompt compared, then the sampling test).
@@ -16,27 +17,35 @@ import numpy as np
 
 from specrt.apps.bench import Prompt
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.decoding.sampling import warp
+from specrt.decoding.sampling import Coupled, warp
 from specrt.errors import ConfigError
 from specrt.manifest import ModelEntry
 
 P_MIN = 1e-4  # the statistical test fails below this p-value (about 1 false alarm in 10,000 runs)
+SAMPLED = SamplingConfig(temperature=0.8, top_p=0.95, method="coupled")  # the sampled comparison's settings
 MIN_EXPECTED = 5.0  # chi-square bins are merged until each expects at least this many samples
 
 
-def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: int | str, drafter: str | None = None) -> dict:
-    """Run both greedy decodes; at the first differing token report the target's logit margin there.
+def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: int | str, drafter: str | None = None,
+                     sampling: SamplingConfig | None = None, seed: int = 0) -> dict:
+    """Run both decodes (greedy, or `sampling` with coupling and `seed`); at the first differing token
+    report the target's logit margin there.
 
     Returns {"equal", "index", "margin", "target_only", "speculative"}. `margin` is the target's
     logit of the target-only token minus that of the speculative one, from a fresh pass over the
-    common prefix (an EOS choice counts as the best EOS id's logit). A tiny margin (the two
-    candidates' logits within numerical noise of each other) means the one-token and multi-token
-    target passes rounded differently at a near-tie, not a bug.
+    common prefix (an EOS choice counts as the best EOS id's logit); sampled, the difference of the two
+    tokens' coupled scores (log p + the position's Gumbel noise) in logit units (times the temperature),
+    infinite for a token the warped distribution excludes. A tiny margin (within numerical noise) means
+    the one-token and multi-token target passes rounded differently at a near-tie, not a bug.
     """
+    sampling = sampling or SamplingConfig()
+    if not (sampling.greedy or sampling.method == "coupled"):
+        raise ValueError("a rejection-sampled run follows its drafts: only coupled sampling compares token for token")
     drafter = drafter or ("model" if pair.draft is not None else "ngram")
-    base = pair.run(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=0)).tokens
+    base = pair.run(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=0, sampling=sampling,
+                                             seed=seed)).tokens
     spec = pair.run(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len,
-                                             drafter=drafter)).tokens
+                                             drafter=drafter, sampling=sampling, seed=seed)).tokens
     n = min(len(base), len(spec))
     i = next((j for j in range(n) if base[j] != spec[j]), None)
     if i is None and len(base) == len(spec):
@@ -49,10 +58,19 @@ def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: in
         pair.target.truncate(0)
         logits = pair.target.forward(np.array([ids]), np.array([len(ids) - 1]))[0, 0, : pair.manifest.vocab_size]
 
-        def logit(seq: list[int]) -> float:  # the choice a decode made at index i
-            return float(logits[seq[i]]) if i < len(seq) else float(max(logits[e] for e in eos))
+        def token(seq: list[int]) -> int:  # the choice a decode made at index i (EOS: the likeliest EOS id)
+            return seq[i] if i < len(seq) else max(eos, key=lambda e: logits[e])
 
-        margin = logit(base) - logit(spec) if eos or (i < len(base) and i < len(spec)) else None
+        if not eos and not (i < len(base) and i < len(spec)):
+            margin = None
+        elif sampling.greedy:
+            margin = float(logits[token(base)]) - float(logits[token(spec)])
+        else:
+            p = warp(logits[None], sampling)[0]
+            pick = np.array([token(base), token(spec)])
+            with np.errstate(divide="ignore"):
+                score = np.log(p[pick]) - np.log(Coupled(seed).exponential(len(ids), pick))
+            margin = float(sampling.temperature * (score[0] - score[1])) if p[pick[1]] > 0 else math.inf
     return {"equal": False, "index": i, "margin": margin, "target_only": base, "speculative": spec}
 
 
@@ -225,11 +243,13 @@ def builtin_prompts(pair, limit: int | None = None) -> list:
 
 def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4, samples: int = 400,
                on_event=None) -> dict:
-    """Is `pair` lossless here: per prompt (apps/bench.Prompt), greedy speculative vs greedy target-only
-    (`first_divergence`, `classify`); then, unless `samples` is 0, `second_token_test` on the first prompt.
+    """Is `pair` lossless here: per prompt (apps/bench.Prompt), speculative vs target-only, greedy and sampled
+    with coupling (SAMPLED, seed = the prompt's place) (`first_divergence`, `classify`); then, unless
+    `samples` is 0, `second_token_test` on the first prompt.
 
-    Returns {"draft_len", "drafter", "max_new_tokens", "threshold", "numerics", "prompts": [{"id", "verdict",
-    "index", "margin", "tokens"}], "sampling": {"prompt", ...second_token_test's result} or None, "ok"}.
+    Returns {"draft_len", "drafter", "max_new_tokens", "threshold", "numerics", "sampled_with", "prompts":
+    [{"id", "verdict", "index", "margin", "tokens", "sampled": {"verdict", "index", "margin", "tokens"}}],
+    "sampling": {"prompt", ...second_token_test's result} or None, "ok"}.
     `on_event(kind, data)` as it goes: ("start", the result so far) once every request is found valid,
     before anything runs; ("prompt", a prompt's row) after each comparison; ("sampling", {"prompt",
     "samples", "draft_len", "drafter"}) before the sampling test; ("sampled", its result) after it.
@@ -246,12 +266,16 @@ def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4
     kernel = getattr(pair.target, "kernel", None)
     threshold, why = noise_threshold(pair.manifest.target, kernel)
     out = {"draft_len": draft_len, "drafter": drafter, "max_new_tokens": max_new_tokens, "threshold": threshold,
-           "numerics": why, "prompts": [], "sampling": None}
+           "numerics": why, "sampled_with": {"temperature": SAMPLED.temperature, "top_p": SAMPLED.top_p},
+           "prompts": [], "sampling": None}
     on_event("start", out)
-    for p in prompts:
-        d = first_divergence(pair, p.ids, max_new_tokens, draft_len, drafter)
-        row = {"id": p.id, "verdict": classify(d, pair.manifest.target, kernel), "index": d["index"], "margin": d["margin"],
-               "tokens": len(d["target_only"])}
+    for n, p in enumerate(prompts):
+        rows = []
+        for sampling in (None, SAMPLED):
+            d = first_divergence(pair, p.ids, max_new_tokens, draft_len, drafter, sampling, seed=n)
+            rows.append({"verdict": classify(d, pair.manifest.target, kernel), "index": d["index"],
+                         "margin": d["margin"], "tokens": len(d["target_only"])})
+        row = {"id": p.id, **rows[0], "sampled": rows[1]}
         out["prompts"].append(row)
         on_event("prompt", row)
     if samples:
@@ -260,6 +284,6 @@ def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4
         s = second_token_test(pair, prompts[0].ids, samples=samples, draft_len=k, drafter=drafter)
         out["sampling"] = {"prompt": prompts[0].id, **s}
         on_event("sampled", out["sampling"])
-    bugs = sum(r["verdict"] == "BUG" for r in out["prompts"])
+    bugs = sum(r["verdict"] == "BUG" or r["sampled"]["verdict"] == "BUG" for r in out["prompts"])
     out["ok"] = not bugs and (out["sampling"] is None or out["sampling"]["ok"])
     return out

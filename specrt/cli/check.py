@@ -22,11 +22,11 @@ from specrt.cli.common import device_option, errors, load_pair
 @device_option
 @errors
 def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, as_json):
-    """Check losslessness on this machine: greedy speculative == target-only, and a sampling test.
+    """Check losslessness on this machine: speculative == target-only, greedy and sampled, and a sampling test.
 
-    Per prompt, greedy speculative and greedy target-only decoding run side by side; where they
-    differ, the target's logit margin between the two tokens says whether numerics explain it
-    (a near-tie) or not (BUG). Then the second token of SAMPLES speculative samples (temperature 1)
+    Per prompt, speculative and target-only decoding run side by side, greedy and sampled with coupling
+    (where a seed's sample is the target-only one token for token); where they differ, the target's logit
+    margin between the two tokens says whether numerics explain it (a near-tie) or not (BUG). Then the second token of SAMPLES speculative samples (temperature 1)
     is tested against its exact distribution under the target (chi-square, fails below p = 1e-4).
     Exit code 1 if anything failed, 0 if all is well, 2 on bad input.
     """
@@ -48,7 +48,7 @@ def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, 
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
-        bugs = sum(r["verdict"] == "BUG" for r in out["prompts"])
+        bugs = sum(r["verdict"] == "BUG" or r["sampled"]["verdict"] == "BUG" for r in out["prompts"])
         sampling_failed = out["sampling"] is not None and not out["sampling"]["ok"]
         problems = ([f"{bugs} prompt(s) differ beyond numerical noise"] if bugs else []) + (
             ["the sampling test failed"] if sampling_failed else [])
@@ -57,18 +57,24 @@ def check(pair_dir, device, prompts, max_new_tokens, draft_len, samples, limit, 
         raise SystemExit(1)
 
 
+def _verdict(d: dict) -> str:
+    if d["verdict"] == "equal":
+        return f"equal ({d['tokens']} tokens)"
+    margin = "unknown" if d["margin"] is None else f"{d['margin']:.3g}"
+    return f"differs at token {d['index']}, target logit margin {margin}: {d['verdict']}"
+
+
 def _line(kind: str, d: dict) -> str:
     """One line of the text report per check_pair event."""
     from specrt.apps.check import P_MIN
 
     if kind == "start":
-        return (f"greedy speculative (drafter {d['drafter']}, draft_len {d['draft_len']}) vs greedy target-only, "
-                f"{d['max_new_tokens']} tokens; near-tie threshold {d['threshold']} ({d['numerics']})")
+        s = d["sampled_with"]
+        return (f"speculative (drafter {d['drafter']}, draft_len {d['draft_len']}) vs target-only, {d['max_new_tokens']} "
+                f"tokens, greedy and sampled with coupling (temperature {s['temperature']}, top_p {s['top_p']}, seed = "
+                f"the prompt's place); near-tie threshold {d['threshold']} ({d['numerics']})")
     if kind == "prompt":
-        if d["verdict"] == "equal":
-            return f"prompt {d['id']}: equal ({d['tokens']} tokens)"
-        margin = "unknown" if d["margin"] is None else f"{d['margin']:.3g}"
-        return f"prompt {d['id']}: differs at token {d['index']}, target logit margin {margin}: {d['verdict']}"
+        return f"prompt {d['id']}: greedy {_verdict(d)}; sampled {_verdict(d['sampled'])}"
     if kind == "sampling":
         return (f"sampling: {d['samples']} speculative samples of prompt {d['prompt']} (temperature 1, drafter "
                 f"{d['drafter']}, draft_len {d['draft_len']}), second token vs the target's exact distribution ...")
