@@ -12,25 +12,13 @@ is what parsing, templating and tokenizing big prompts costs everyone else. Prin
 max seconds of each probe, idle and under load, and the big requests answered meanwhile.
 """
 import argparse
-import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-
-def start_server(pair_dir, flags):
-    proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", str(pair_dir), "--port", "0", *flags],
-                            stderr=subprocess.PIPE, text=True)
-    for line in proc.stderr:
-        sys.stderr.write(line)
-        if m := re.search(r" on (http://\S+)/v1 ", line):
-            threading.Thread(target=lambda: [sys.stderr.write(x) for x in proc.stderr], daemon=True).start()
-            return proc, m.group(1)
-    raise SystemExit(f"the server did not start (exit {proc.wait()})")
+from serve import start_server  # bench/serve.py: `specrt serve --port 0`, its URL from the log
 
 
 def probe(client: httpx.Client, n: int, interval: float) -> dict[str, list[float]]:
@@ -59,6 +47,7 @@ def main():
     ap.add_argument("serve_flags", nargs="*")
     a = ap.parse_args()
     proc, base = start_server(a.pair, a.serve_flags)
+    base = base.removesuffix("/v1")
     big = {"messages": [{"role": "user", "content": ("word " * (a.prompt_bytes // 5 + 1))[: a.prompt_bytes]}],
            "max_tokens": 4}
     stop, answered, lock = threading.Event(), {}, threading.Lock()

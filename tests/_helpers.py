@@ -146,3 +146,21 @@ class FrozenCosts(CostModel):
 
     def observe_catchup(self, seconds, tokens):
         pass
+
+
+def cli(*args, env=None):
+    """`specrt ARGS...` in-process (click's CliRunner); stderr apart from stdout."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], env=env)
+
+
+def one_line_error(r, code: int = 2) -> str:
+    """The message of a run that ended with `code` and one `Error:` line, no traceback."""
+    assert r.exit_code == code, (r.exit_code, r.output)
+    assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit), r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    assert len(lines) == 1, r.output
+    return lines[0]

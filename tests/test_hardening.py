@@ -15,28 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specrt.cli import main
 from specrt.config import MAX_STOP_CHARS, MAX_STOPS, GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError
 
-from _helpers import copy_pair
-
-
-def cli(*args, env=None):
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
-
-
-def one_line_error(r, code: int = 2) -> str:
-    """The message of a run that ended with `code` and one `Error:` line, no traceback."""
-    assert r.exit_code == code, (r.exit_code, r.output)
-    assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit), r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1, r.output
-    return lines[0]
+from _helpers import cli, copy_pair, one_line_error
 
 
 def write_jsonl(path: Path, recs) -> Path:

@@ -7,32 +7,17 @@ import os
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from _helpers import copy_pair
+from _helpers import cli, copy_pair, one_line_error
 from specrt.api import requests
-from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.errors import ConfigError, ExportError
 from specrt.manifest import read_manifest
 
 
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
 def batch(qwen_dir, inp, out, *extra):
     return cli("batch", qwen_dir, "--input", inp, "--output", out, "--max-new-tokens", 2, "--batch-size", 2,
                "--no-progress", *extra)
-
-
-def one_line_error(r, code: int = 2) -> str:
-    """The message of a run that ended with `code` and one `Error:` line, no traceback."""
-    assert r.exit_code == code, (r.exit_code, r.output)
-    assert r.exception is None or isinstance(r.exception, SystemExit), r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1 and "Traceback" not in r.output, r.output
-    return lines[0]
 
 
 def write_lines(path: Path, lines) -> Path:

@@ -8,26 +8,11 @@ import os
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 import specrt
-from _helpers import copy_pair
-from specrt.cli import main
+from _helpers import cli, copy_pair, one_line_error
 from specrt.errors import PairError
 from specrt.manifest import read_manifest, verify_files
-
-
-def cli(*args, env=None):
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
-
-
-def one_line_error(r, code: int = 2) -> str:
-    """The message of a run that ended with `code` and one `Error:` line, no traceback."""
-    assert r.exit_code == code, (r.exit_code, r.output)
-    assert "Traceback" not in r.output and r.exception is None or isinstance(r.exception, SystemExit), r.output
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
-    assert len(lines) == 1, r.output
-    return lines[0]
 
 
 def problems(d) -> list[str]:
