@@ -76,9 +76,10 @@ class JobError(SpecrtError):
 
 @dataclass(frozen=True)
 class JobSettings:
-    """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop.
+    """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop, sampling.
     None means the pair's default (what `specrt tune` stored, else api/requests.defaults); resolved, the
-    greedy_* fields hold what greedy records draft with when the job named no draft length (see above)."""
+    greedy_* fields hold what greedy and coupled records draft with when the job named no draft length
+    (see above)."""
 
     max_new_tokens: int = MAX_NEW_TOKENS
     temperature: float = 0.0
