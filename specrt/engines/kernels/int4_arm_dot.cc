@@ -19,7 +19,7 @@ struct T {
   SPECRT_NEON_TRAITS
   // signed x signed bytes: the weights' nibbles (0..15) are valid signed bytes
   static V dot(V acc, V w, V a) { return vdotq_s32(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(a)); }
-  static V dotp(V acc, V w, const int8_t* p, int = 0) { return dot(acc, w, bcast(p)); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
 };
 #include "int4_tile.inc"
 #include "int4_kernel.inc"

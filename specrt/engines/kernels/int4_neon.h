@@ -6,7 +6,7 @@
 #define SPECRT_NEON_TRAITS                                                                              \
   static constexpr int L = 4, R = 4;                                                                  \
   static constexpr bool kWide = true;                                                                 \
-  static constexpr int kPrefetchFrom = 1, kAhead = 4;                                                 \
+  static constexpr int kPrefetchFrom = 1, kAhead = 4, kFarFrom = 1 << 30, kFar = 0;                   \
   using V = int32x4_t;                                                                                \
   using F = float32x4_t;                                                                              \
   static V zero() { return vdupq_n_s32(0); }                                                          \

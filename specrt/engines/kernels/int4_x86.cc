@@ -21,7 +21,7 @@ namespace specrt {
 // widened to 32 bits once per 4 steps (vpmaddwd).
 #define SPECRT_YMM_TRAITS                                                                               \
   static constexpr int L = 8;                                                                         \
-  static constexpr int kPrefetchFrom = 1, kAhead = 4;                                                 \
+  static constexpr int kPrefetchFrom = 1, kAhead = 4, kFarFrom = 1 << 30, kFar = 0;                   \
   using V = __m256i;                                                                                  \
   using F = __m256;                                                                                   \
   static V zero() { return _mm256_setzero_si256(); }                                                 \
@@ -124,7 +124,7 @@ struct T {
     __asm__("" : "+x"(acc));  // keeps the sums in the written order, so each accumulator stays in a register
     return acc;
   }
-  static V dotp(V acc, V w, const int8_t* p, int = 0) { return dot(acc, w, bcast(p)); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V s16) { return _mm256_add_epi32(s32, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
 };
 #include "int4_tile.inc"
@@ -139,7 +139,7 @@ struct T {
   static constexpr int R = 4;
   static constexpr bool kWide = true;
   static V dot(V acc, V w, V a) { return _mm256_dpbusd_avx_epi32(acc, w, a); }
-  static V dotp(V acc, V w, const int8_t* p, int = 0) { return dot(acc, w, bcast(p)); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V acc) { return _mm256_add_epi32(s32, acc); }
 };
 #include "int4_tile.inc"
@@ -152,10 +152,10 @@ namespace x86_avx512 {
 struct T {
   SPECRT_ZMM_TRAITS
   static constexpr int R = 8;  // 16- and 32-bit accumulators per row
-  static constexpr int kPrefetchFrom = 1, kAhead = 4;
+  static constexpr int kPrefetchFrom = 1, kAhead = 4, kFarFrom = 1 << 30, kFar = 0;
   static constexpr bool kWide = false;
   static V dot(V acc, V w, V a) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, a)); }
-  static V dotp(V acc, V w, const int8_t* p, int = 0) { return dot(acc, w, bcast(p)); }
+  static V dotp(V acc, V w, const int8_t* p) { return dot(acc, w, bcast(p)); }
   static V fold(V s32, V s16) { return _mm512_add_epi32(s32, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
 };
 #include "int4_tile.inc"
@@ -167,23 +167,19 @@ SPECRT_TARGET_BEGIN("avx2,fma,avx512f,avx512bw,avx512vnni")
 namespace x86_avx512vnni {
 struct T {
   SPECRT_ZMM_TRAITS
-  static constexpr int R = 16;  // one accumulator per row: a 9-row verify pass is one tile
-  // Software prefetch only for 9 rows or more, 2 blocks ahead: with fewer rows the hardware's own prefetch
-  // streams faster without it (Zen 4, two threads: 1.1-1.3x at 1 to 5 rows); with more, 2 blocks ahead
-  // beat 4 by 3-8% (docs/kernel.md).
-  static constexpr int kPrefetchFrom = 9, kAhead = 2;
+  // 8 rows a tile, each with two accumulators (low and high nibbles): 16 accumulators, and the broadcast
+  // folded into vpdpbusd; more rows a tile spilled registers or serialized a row's two dots (Zen 4, two
+  // threads: 1.1-1.3x at 9 to 16 rows over 16-row tiles)
+  static constexpr int R = 8;
+  // Software prefetch (Zen 4, two threads, docs/kernel.md): none at 1 to 3 rows, where the hardware's
+  // own prefetch streams faster without it (1.1-1.3x); from 4 rows, 8 blocks ahead into L2 (1.2-1.6x at
+  // 4 to 7 rows); never into L1 (8-10% slower at 9 to 16 rows).
+  static constexpr int kPrefetchFrom = 1 << 30, kAhead = 0, kFarFrom = 4, kFar = 8;
   static constexpr bool kWide = true;
   static V dot(V acc, V w, V a) { return _mm512_dpbusd_epi32(acc, w, a); }
   // vpdpbusd with its activation word broadcast from memory by the instruction itself ({1to16}): no
-  // broadcast instruction of its own. Up to 8 rows, written out (GCC 12 otherwise loads the word with a
-  // broadcast of its own); more rows through the intrinsic, where GCC folds the broadcast itself and
-  // allocates the 9 to 16 accumulators without copies between registers (measured, docs/kernel.md).
-  static V dotp(V acc, V w, const int8_t* p, int rows = 0) {
-    if (rows > 8) {
-      int x;
-      memcpy(&x, p, 4);
-      return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x));
-    }
+  // broadcast instruction of its own, and the accumulator stays in its register
+  static V dotp(V acc, V w, const int8_t* p) {
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t*)(const void*)p));
     return acc;
   }
