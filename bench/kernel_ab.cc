@@ -1,6 +1,6 @@
 // Two builds of specrt's int4 kernel library against each other (docs/kernel.md, "Roofline"): the same
-// matmul on one thread through each library's C interface (specrt_int4_matmul: quantize + kernel, path
-// "auto"), the two alternating within every trial, so that the host's drift (often +-30% here between
+// matmul on one thread (or THREADS, each a contiguous share of the panels, as onnxruntime's pool splits a
+// call) through each library's C interface (specrt_int4_matmul: quantize + kernel, path "auto"), the two alternating within every trial, so that the host's drift (often +-30% here between
 // minutes) falls on both alike. Per row count: each build's best of 5 calls a trial, over 21 trials; prints
 // the median products/s of each and the median and quartiles of the per-trial time ratio A/B (> 1: B is
 // faster), and whether both builds give the same bits. COPIES weights of the shape (each packed by each
@@ -9,8 +9,8 @@
 //   lib() { g++ -std=c++17 -O3 -ffp-contract=off -fPIC -shared -I$1 -o $2
 //           $1/int4.cc $1/int4_x86.cc $1/int4_arm_dot.cc $1/int4_arm_i8mm.cc $1/int4_none.cc $1/attention.cc; }
 //   lib specrt/engines/kernels /tmp/a.so; lib OTHER_TREE/specrt/engines/kernels /tmp/b.so
-//   g++ -std=c++17 -O2 bench/kernel_ab.cc -ldl -o /tmp/kernel_ab
-//   /tmp/kernel_ab /tmp/a.so /tmp/b.so K N COPIES ROWS...     e.g. 1536 17920 5 1 3 5 9 16
+//   g++ -std=c++17 -O2 bench/kernel_ab.cc -ldl -pthread -o /tmp/kernel_ab
+//   [KERNEL_AB_THREADS=2] /tmp/kernel_ab /tmp/a.so /tmp/b.so K N COPIES ROWS...     e.g. 1536 17920 5 1 3 5 9 16
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
 using Pack = void* (*)(const uint8_t*, const float*, const uint8_t*, const float*, int, int, int);
@@ -30,6 +31,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int K = atoi(argv[3]), N = atoi(argv[4]), copies = atoi(argv[5]), bs = 128;
+  const char* env = getenv("KERNEL_AB_THREADS");
+  const int threads = env && *env ? atoi(env) : 1;
+  if (threads < 1 || threads > 64) return fprintf(stderr, "kernel_ab: KERNEL_AB_THREADS must be 1 to 64\n"), 2;
   if (K <= 0 || K % bs || N <= 0 || copies <= 0) {
     fprintf(stderr, "kernel_ab: K must be a positive multiple of %d, N and COPIES positive\n", bs);
     return 2;
@@ -74,7 +78,17 @@ int main(int argc, char** argv) {
         best[v] = 1e30;
         for (int rep = 0; rep < 5; ++rep) {
           const auto t0 = std::chrono::steady_clock::now();
-          for (int c = 0; c < copies; ++c) matmul[v](w[v][c], A.data(), m, Y[v].data(), "auto", 0, 0);
+          // each thread its share of the panels of every copy (threads started once a repeat, as a pool's wake)
+          const int panels = (N + 15) / 16;
+          auto share = [&](int h) {
+            const int p0 = panels * h / threads, p1 = panels * (h + 1) / threads;
+            if (p1 > p0)
+              for (int c = 0; c < copies; ++c) matmul[v](w[v][c], A.data(), m, Y[v].data(), "auto", p0, p1);
+          };
+          std::vector<std::thread> pool;
+          for (int h = 1; h < threads; ++h) pool.emplace_back(share, h);
+          share(0);
+          for (auto& th : pool) th.join();
           const double e = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / copies;
           best[v] = std::min(best[v], e);
         }

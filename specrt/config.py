@@ -33,7 +33,8 @@ SAMPLERS = ("rejection", "coupled")
 class SamplingConfig:
     """How tokens are chosen. temperature 0 means greedy; top_k 0 and top_p 1.0 mean off. `method`: how a
     sampled request verifies drafts (decoding/sampling.py): "rejection" (a seed reproduces for the same
-    drafts) or "coupled" (a seed gives the target-only sample whatever drafts it)."""
+    drafts) or "coupled" (a seed gives the target-only sample whatever drafts it). A request that gives a
+    seed and no method gets "coupled" (api/requests.parse); this default is for those without a seed."""
 
     temperature: float = 0.0
     top_k: int = 0

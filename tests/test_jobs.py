@@ -151,12 +151,15 @@ def _job(qwen_dir, inp, out, *extra):
                   *extra)
 
 
-def test_by_default_greedy_records_draft_auto_and_sampled_ones_a_fixed_length(qwen_dir, qwen_pair, tmp_path):
+def test_by_default_greedy_and_coupled_records_draft_auto_and_rejection_ones_a_fixed_length(qwen_dir, qwen_pair, tmp_path):
     """Without --draft-len, batch size auto times every size with the job's own lengths: a greedy record
-    drafts auto (its tokens are exact whatever drafts them), a sampled one the pair's fixed length (its draws
-    must not follow timings); an explicit --draft-len applies to both."""
+    drafts auto (its tokens are exact whatever drafts them), and so does a sampled one, which samples
+    coupled (every record has a seed): its tokens are the target-only sample of its seed. A record sampled
+    with rejection drafts the pair's fixed length (its draws must not follow timings); an explicit
+    --draft-len applies to all."""
     # 30 records go to the trials (sizes 1, 2, 4, 8); the rest run as chosen
-    lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 3 == 0 else {})} for i in range(40)]
+    lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 3 == 0 else {}),
+              **({"sampling": "rejection"} if i % 6 == 0 else {})} for i in range(40)]
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     r = invoke(qwen_dir, "--input", inp, "--output", out, "--max-new-tokens", 6, "--no-progress")
@@ -169,11 +172,13 @@ def test_by_default_greedy_records_draft_auto_and_sampled_ones_a_fixed_length(qw
     fixed = qwen_pair.manifest.max_draft_len if qwen_pair.manifest.max_draft_len < 4 else 4
     for i in range(40):
         st = recs[str(i)]["stats"]
-        if i % 3:  # greedy on fp32: the same tokens whichever way a record ran
-            assert st["draft_len"] == "auto", st
-            assert recs[str(i)]["tokens"] == qwen_pair.generate(f"y = {i} +", max_new_tokens=6, draft_len=0).tokens
-        else:
+        if i % 6 == 0:  # rejection
             assert st["draft_len"] == fixed and set(st["rounds_by_drafter"]) <= {"model"}, st
+            continue
+        assert st["draft_len"] == "auto", st
+        sampled = dict(temperature=0.9, seed=record_seed(0, str(i))) if i % 3 == 0 else {}
+        # greedy on fp32, or coupled: the same tokens whichever way a record ran
+        assert recs[str(i)]["tokens"] == qwen_pair.generate(f"y = {i} +", max_new_tokens=6, draft_len=0, **sampled).tokens
     side = json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]
     assert (side["draft_len"], side["greedy_draft_len"], side["greedy_drafter"]) == (fixed, "auto", "hybrid")
     out2 = tmp_path / "out2.jsonl"
@@ -185,8 +190,10 @@ def test_by_default_greedy_records_draft_auto_and_sampled_ones_a_fixed_length(qw
 
 def test_a_sampled_record_depends_on_neither_its_place_nor_the_batch_size_nor_the_trial(qwen_dir, tmp_path):
     """batch size auto with its trials, then a fixed batch size over the records reversed: a sampled record
-    drafts at the job's fixed length whichever way it ran, so its draws, and tokens, are the same."""
-    lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 2 else {})} for i in range(72)]
+    gives the same tokens whichever way it ran: coupled (the default) drafting auto, or by rejection at the
+    job's fixed length, so its draws are the same."""
+    lines = [{"id": i, "prompt": f"y = {i} +", **({"temperature": 0.9} if i % 2 else {}),
+              **({"sampling": "rejection"} if i % 4 == 1 else {})} for i in range(72)]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     r = invoke(qwen_dir, "--input", write_jsonl(tmp_path / "in.jsonl", lines), "--output", first,
                "--max-new-tokens", 6, "--no-progress")
@@ -197,7 +204,8 @@ def test_a_sampled_record_depends_on_neither_its_place_nor_the_batch_size_nor_th
     a, b = read_out(first), read_out(second)
     for i in range(1, 72, 2):
         assert a[str(i)]["tokens"] == b[str(i)]["tokens"], i
-        assert a[str(i)]["stats"]["draft_len"] == b[str(i)]["stats"]["draft_len"] > 0, i
+        assert a[str(i)]["stats"]["draft_len"] == b[str(i)]["stats"]["draft_len"], i
+        assert a[str(i)]["stats"]["draft_len"] == "auto" if i % 4 == 3 else a[str(i)]["stats"]["draft_len"] > 0, i
 
 
 def test_output_of_another_job_is_refused(qwen_dir, tmp_path):

@@ -687,7 +687,7 @@ def test_the_kernel_ab_tool_compares_two_builds(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     exe = tmp_path / "kernel_ab"
-    r = subprocess.run([cxx, "-std=c++17", "-O2", str(ROOT / "bench" / "kernel_ab.cc"), "-ldl", "-o", str(exe)],
+    r = subprocess.run([cxx, "-std=c++17", "-O2", str(ROOT / "bench" / "kernel_ab.cc"), "-ldl", "-pthread", "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([str(exe), str(lib), str(lib), "256", "64", "1", "1", "5"], capture_output=True, text=True,

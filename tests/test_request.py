@@ -19,7 +19,7 @@ from specrt.errors import ConfigError
 
 SETTINGS = dict(max_new_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=11, stop=["\n\n"], draft_len=3,
                 drafter="model", draft_window=7, confidence_stop=0.25, ngram_max=5)
-WANT = GenerationConfig(max_new_tokens=9, sampling=SamplingConfig(temperature=0.7, top_k=5, top_p=0.9), seed=11,
+WANT = GenerationConfig(max_new_tokens=9, sampling=SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, method="coupled"), seed=11,
                         stop=("\n\n",), draft_len=3, drafter="model", draft_window=7, confidence_stop=0.25, ngram_max=5)
 
 
@@ -181,3 +181,14 @@ def test_ray_actors_get_the_jobs_history_cap(qwen_dir, qwen_pair, tmp_path, monk
     summary = jobs.run_job(qwen_dir, inp, tmp_path / "out.jsonl", jobs.JobSettings(max_new_tokens=4, draft_len=2),
                            batch_size=1, ray_address="local", progress=False, log=lambda s: None, history_cap=123)
     assert summary["written"] == 3 and caps == [123]
+
+
+def test_a_seeded_request_samples_coupled_unless_it_names_a_method():
+    """The default method follows the seed (docs/drafting.md): coupled for a request that gives one (its tokens
+    are the target-only sample of that seed), rejection for one that does not; a method given wins."""
+    def method(**fields):
+        return requests.parse(fields).get("sampling", SamplingConfig()).method
+    assert method(temperature=0.8, seed=3) == "coupled"
+    assert method(temperature=0.8) == "rejection"
+    assert method(temperature=0.8, seed=3, sampling="rejection") == "rejection"
+    assert method(temperature=0.8, sampling="coupled") == "coupled"

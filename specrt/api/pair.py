@@ -173,9 +173,10 @@ class Pair:
         32 on the CPU, no limit on a GPU, alone and as a batch row (decoding.proposers.default_window).
         `confidence_stop`: a model draft stops early once its top probability falls below this.
         `ngram_max`: the longest suffix prompt lookup matches (1..16).
-        `sampling`: how a sampled request verifies drafts: "rejection" (default; a seed reproduces for the
-        same drafts) or "coupled" (a seed gives the target-only sample token for token, whatever drafts it:
-        drafter, draft length, auto's choices, a batch).
+        `sampling`: how a sampled request verifies drafts: "coupled" (the default when `seed` is given: the
+        seed gives the target-only sample token for token, whatever drafts it: drafter, draft length, auto's
+        choices, a batch) or "rejection" (the default without a seed: higher acceptance at high temperatures;
+        a seed reproduces for the same drafts).
         """
         cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,

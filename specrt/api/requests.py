@@ -151,6 +151,10 @@ def parse(fields: Mapping) -> dict:
     sampling = {n: out.pop(n) for n in ("temperature", "top_k", "top_p") if n in out}
     if "sampling" in out:
         sampling["method"] = out.pop("sampling")
+    elif "seed" in out:
+        # a seeded request samples coupled: its tokens are the target-only sample of its seed whatever drafts
+        # them; unseeded ones keep rejection, whose acceptance is higher (docs/drafting.md)
+        sampling["method"] = "coupled"
     if sampling:
         out["sampling"] = SamplingConfig(**sampling)
     return out

@@ -28,11 +28,11 @@ order of the input nor on the batch it ran in.
 
 Draft lengths, unless the job names one: a greedy record drafts as a request alone does (`auto`: each
 round's length chosen by the policy against the cost of the batch's pass; the pair's tuned drafter, else
-hybrid), since its tokens are exact whatever drafts them, and so does a record sampled with "coupled"
-(its tokens are the target-only sample of its seed whatever drafts them); a record sampled with
-"rejection" drafts a fixed length (the tuned one, else 4; the tuned drafter, else the draft model), so
-its draws never follow timings. With an explicit draft_len "auto" such a record is a faithful sample but
-not draw for draw reproducible.
+hybrid), since its tokens are exact whatever drafts them, and so does a sampled record: every record
+has a seed, so it samples "coupled" unless it or the job asks otherwise (its tokens are the target-only
+sample of its seed whatever drafts them). A record sampled with "rejection" drafts a fixed length (the
+tuned one, else 4; the tuned drafter, else the draft model), so its draws never follow timings; with an
+explicit draft_len "auto" such a record is a faithful sample but not draw for draw reproducible.
 
 `--ray`: the driver reads, validates and writes exactly as above; Ray actors each load the pair once
 (from PAIR_DIR, which must exist at that path on every node) and decode shards of records.

@@ -36,9 +36,9 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, SAMPLERS
                    "ngram for a pair without a draft model); suffix: prompt lookup over the record and the outputs "
                    "of the records before it.")
 @click.option("--sampling", type=click.Choice(SAMPLERS), default=None,
-              help="How sampled records verify drafts (a record's own value wins): rejection (default) or coupled "
-                   "(a record's tokens are the target-only sample of its seed whatever drafts them; such records "
-                   "then draft auto like greedy ones).")
+              help="How sampled records verify drafts (a record's own value wins): coupled (default: every record "
+                   "has a seed, and its tokens are the target-only sample of that seed whatever drafts them, so "
+                   "sampled records draft auto like greedy ones) or rejection (a fixed draft length).")
 @click.option("--history-cap", type=int, default=HISTORY_CAP, show_default=True,
               help="Most tokens of earlier outputs the suffix drafter keeps (4 bytes each; the oldest go first).")
 @click.option("--chat/--no-chat", default=False, show_default=True,

@@ -18,7 +18,8 @@ from specrt.config import MAX_NEW_TOKENS, SAMPLERS
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Keep the k most likely tokens (0 = off).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass to keep (1.0 = off).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed for sampling.")
+@click.option("--seed", type=int, default=None,
+              help="Random seed for sampling (0 when not given). A seeded sampled request samples coupled by default: the target-only sample of that seed, whatever drafts it.")
 @click.option("--draft-len", default=None, callback=draft_len_value,
               help="Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured acceptance "
                    "and costs). Default: what `specrt tune` chose for this pair, else auto.")
@@ -36,8 +37,9 @@ from specrt.config import MAX_NEW_TOKENS, SAMPLERS
 @click.option("--ngram-max", type=int, default=16, show_default=True,
               help="Longest suffix (1..16 tokens) the prompt-lookup drafter matches (ngram, hybrid).")
 @click.option("--sampling", type=click.Choice(SAMPLERS), default=None,
-              help="How a sampled request verifies drafts: rejection (default; a seed reproduces for the same drafts) "
-                   "or coupled (a seed gives the target-only sample token for token, whatever drafts it).")
+              help="How a sampled request verifies drafts: coupled (the default with --seed: the seed gives the "
+                   "target-only sample token for token, whatever drafts it) or rejection (the default without: higher "
+                   "acceptance at high temperatures; a seed reproduces for the same drafts).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
