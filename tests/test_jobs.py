@@ -181,6 +181,7 @@ def test_by_default_greedy_and_coupled_records_draft_auto_and_rejection_ones_a_f
         assert recs[str(i)]["tokens"] == qwen_pair.generate(f"y = {i} +", max_new_tokens=6, draft_len=0, **sampled).tokens
     side = json.loads((tmp_path / "out.jsonl.job.json").read_text())["settings"]
     assert (side["draft_len"], side["greedy_draft_len"], side["greedy_drafter"]) == (fixed, "auto", "hybrid")
+    assert side["sampling"] == "coupled"  # the default that ran is named, so a job of another default is another job
     out2 = tmp_path / "out2.jsonl"
     r = invoke(qwen_dir, "--input", inp, "--output", out2, "--max-new-tokens", 6, "--draft-len", 2,
                "--batch-size", 4, "--no-progress")
@@ -216,6 +217,7 @@ def test_output_of_another_job_is_refused(qwen_dir, tmp_path):
     assert len(read_out(out)) == 6 and (tmp_path / "out.jsonl.job.json").is_file()
     one_line_error(_job(qwen_dir, inp, out, "--temperature", 0.5), "belongs to another job", "temperature", "--overwrite")
     one_line_error(_job(qwen_dir, inp, out, "--seed", 1), "belongs to another job", "seed")
+    one_line_error(_job(qwen_dir, inp, out, "--sampling", "rejection"), "belongs to another job", "sampling")
     write_jsonl(inp, [{"id": i, "prompt": f"def g{i}():"} for i in range(6)])
     one_line_error(_job(qwen_dir, inp, out), "belongs to another job", "input file")
     assert out.read_bytes() == first  # refused jobs leave the output alone

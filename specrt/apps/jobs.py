@@ -136,7 +136,8 @@ def resolve_settings(m, s: JobSettings) -> JobSettings:
     drafter, k, cs = requests.defaults(m, tuned, has_draft, batched=s.draft_len != "auto")
     out = replace(s, drafter=s.drafter or drafter, draft_len=k if s.draft_len is None else s.draft_len,
                   confidence_stop=cs if s.confidence_stop is None else s.confidence_stop,
-                  greedy_draft_len=None, greedy_drafter=None)
+                  greedy_draft_len=None, greedy_drafter=None,
+                  sampling=s.sampling or "coupled")  # every record is seeded (record_seed): api/requests.parse
     if s.draft_len is None:  # greedy records draft as a request alone would
         g_drafter, g_len, _ = requests.defaults(m, tuned, has_draft)
         out = replace(out, greedy_draft_len=g_len, greedy_drafter=s.drafter or g_drafter)
