@@ -169,7 +169,7 @@ struct T {
   SPECRT_ZMM_TRAITS
   // 8 rows a tile, each with two accumulators (low and high nibbles): 16 accumulators, and the broadcast
   // folded into vpdpbusd; more rows a tile spilled registers or serialized a row's two dots (Zen 4, two
-  // threads: 1.1-1.3x at 9 to 16 rows over 16-row tiles)
+  // threads, with the L1 prefetch below gone: 1.04-1.28x at 9 to 64 rows over 16-row tiles)
   static constexpr int R = 8;
   // Software prefetch (Zen 4, two threads, docs/kernel.md): none at 1 to 3 rows, where the hardware's
   // own prefetch streams faster without it (1.1-1.3x); from 4 rows, 8 blocks ahead into L2 (1.2-1.6x at
