@@ -453,3 +453,21 @@ def test_sigkill_three_times_then_complete(qwen_dir, tmp_path):
         g = got[k]
         assert (g["tokens"], g["text"], g["finish_reason"]) == (want["tokens"], want["text"], want["finish_reason"]), k
         assert all(g["stats"][c] == want["stats"][c] for c in COUNTS), k
+
+
+def test_a_job_written_before_its_identity_named_the_sampling_default_resumes_with_rejection(qwen_dir, tmp_path):
+    """An output whose job identity has "sampling": null (the default then was rejection) is refused as another
+    job by a plain rerun, naming the sampling, and resumes with --sampling rejection."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"def f{i}():"} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    assert _job(qwen_dir, inp, out, "--sampling", "rejection").exit_code == 0
+    side = tmp_path / "out.jsonl.job.json"
+    identity = json.loads(side.read_text())
+    identity["settings"]["sampling"] = None
+    side.write_text(json.dumps(identity))
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:2]) + "\n")  # two records still to do
+    one_line_error(_job(qwen_dir, inp, out), "belongs to another job", "sampling ('rejection' -> 'coupled')")
+    r = _job(qwen_dir, inp, out, "--sampling", "rejection")
+    assert r.exit_code == 0, r.output
+    assert sorted(read_out(out)) == ["0", "1", "2", "3"]

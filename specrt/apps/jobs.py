@@ -296,6 +296,11 @@ class JobOutput:
                            f"{hint}") from None
         except (OSError, ValueError) as e:  # ValueError: not UTF-8, not JSON, an integer past the digit limit
             raise JobError(f"cannot read {self.sidecar}: {e}; {hint}") from None
+        settings = theirs.get("settings") if isinstance(theirs, dict) else None
+        if isinstance(settings, dict) and "sampling" in settings and settings["sampling"] is None:
+            # written before the job identity named its sampling default, which then was rejection: such a
+            # job resumes with --sampling rejection
+            theirs = {**theirs, "settings": {**settings, "sampling": "rejection"}}
         if theirs != identity:
             diff = [k for k in ("format", "version", "input_sha256", "pair_graphs", "tokenizer")
                     if not isinstance(theirs, dict) or theirs.get(k) != identity[k]]
