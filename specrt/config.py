@@ -58,6 +58,32 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+GRAMMARS = {"json_schema": "json_schema", "regex": "regex", "lark": "grammar"}  # kind: the request field naming it
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match (decoding/constraint.py): `kind` "json_schema" (`source`: the schema
+    as JSON text), "regex" or "lark" (a Lark grammar in llguidance's dialect; GBNF is read too)."""
+
+    kind: str
+    source: str
+
+    def __post_init__(self):
+        if self.kind not in GRAMMARS:
+            raise ConfigError(f"unknown grammar kind {self.kind!r}; choose one of {', '.join(GRAMMARS)}", param="grammar")
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ConfigError(f"the {self.what} is empty", param=self.param)
+
+    @property
+    def param(self) -> str:
+        return GRAMMARS[self.kind]
+
+    @property
+    def what(self) -> str:
+        return {"json_schema": "JSON schema", "regex": "regular expression", "lark": "grammar"}[self.kind]
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """One request: how many tokens, when to stop, how many draft tokens per round."""
@@ -73,6 +99,7 @@ class GenerationConfig:
     # The most tokens a draft model's catch-up pass reads; further behind, it starts over from the last
     # ones (0: no limit; None: the device's default, decoding.proposers.default_window).
     draft_window: int | None = None
+    grammar: Grammar | None = None  # the output must match it (structured output); None: free text
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:

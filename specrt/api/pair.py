@@ -25,6 +25,7 @@ from specrt.api import memory, requests
 from specrt.api.text import TextCodec, TextStream
 from specrt.config import HISTORY_CAP, GenerationConfig
 from specrt.decoding.batch import BatchDecoder
+from specrt.decoding.constraint import Constraint, Grammars
 from specrt.decoding.decode import Decoder, Request, Result, Single
 from specrt.decoding.policy import CostModel, PolicyConfig, PolicyState, build
 from specrt.decoding.prefix import PromptCache
@@ -129,6 +130,8 @@ class Pair:
             self.target = select.open_engine(self.dir, m, "target", m.max_draft_len + 1, threads, self.device)
             self.draft = select.open_engine(self.dir, m, "draft", 1, threads, self.device) if draft else None
         self.draft_ids = _output_ids(self.dir, m.draft, m.vocab_size) if draft else None
+        # structured output: llguidance's view of the tokenizer, built at the first constrained request
+        self.grammars = Grammars(self.dir / "tokenizer.json", m.vocab_size, m.eos_token_ids)
         self.draft_memory = DraftMemory()  # the draft cache's prefix is reused by the next request
         self.prompt_cache = PromptCache()  # and the target's, where that is exact (decoding/prefix.py)
         self.share_prefix = share_prefix
@@ -152,7 +155,8 @@ class Pair:
                  draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
                  drafter: str | None = None, on_text: Callable[[str], None] | None = None, cancel=None,
                  draft_window: int | None = None, confidence_stop: float | None = None,
-                 ngram_max: int | None = None, sampling: str | None = None) -> Result:
+                 ngram_max: int | None = None, sampling: str | None = None, json_schema=None, regex: str | None = None,
+                 grammar=None, response_format: dict | None = None) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
         A setting left None takes its default (config.GenerationConfig, config.SamplingConfig): 128 new
@@ -177,10 +181,16 @@ class Pair:
         seed gives the target-only sample token for token, whatever drafts it: drafter, draft length, auto's
         choices, a batch) or "rejection" (the default without a seed: higher acceptance at high temperatures;
         a seed reproduces for the same drafts).
+        Structured output (at most one; docs/drafting.md): `json_schema` (a dict or JSON text), `regex`,
+        `grammar` (a Lark grammar, or a config.Grammar), or `response_format` (OpenAI's object): the output
+        matches it, sampled or greedy exactly as the target alone would under the same constraint.
+        `result.stats["grammar_complete"]` says whether it ended as a complete match (False: max_new_tokens
+        came first).
         """
         cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
-                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling))
+                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling,
+                                 json_schema=json_schema, regex=regex, grammar=grammar, response_format=response_format))
         return self.run(self.encode(prompt, chat), cfg, on_text, cancel)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
@@ -188,7 +198,8 @@ class Pair:
                draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
                drafter: str | None = None, cancel=None, draft_window: int | None = None,
                confidence_stop: float | None = None, ngram_max: int | None = None,
-               sampling: str | None = None) -> Stream:
+               sampling: str | None = None, json_schema=None, regex: str | None = None, grammar=None,
+               response_format: dict | None = None) -> Stream:
         """Like `generate`, but return an iterator of text chunks as they are produced.
 
             with pair.stream("def fib(n):", max_new_tokens=64) as s:
@@ -204,7 +215,8 @@ class Pair:
         """
         cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
-                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling))
+                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling,
+                                 json_schema=json_schema, regex=regex, grammar=grammar, response_format=response_format))
         ids = self.encode(prompt, chat)
         fn = _cancel_fn(cancel)
         self._check_open()
@@ -236,6 +248,8 @@ class Pair:
     def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False) -> None:
         """Raise ConfigError for a request this pair cannot run (api/requests.check)."""
         requests.check(self.manifest, prompt, cfg, draft_left_out=self.draft_left_out, batched=batched)
+        if cfg.grammar is not None:
+            self.grammars.check(cfg.grammar)
 
     def batch_engine(self, role: str, batch: int, cache_len: int, max_logits: int):
         """A ragged engine of `batch` rows with caches of `cache_len` slots over this pair's loaded session of
@@ -311,21 +325,22 @@ class Pair:
         if not self.share_prefix:
             self.forget_caches()
         dec = Decoder(Single(self.target, self.prompt_cache), lambda: Single(self.draft), self.manifest.vocab_size,
-                      frozenset(self.manifest.eos_token_ids), lambda r, c: self.policy(c), text=self.text_stream,
-                      history=self.state.history)
+                      frozenset(self.manifest.eos_token_ids), lambda r, c, g: self.policy(c, constraint=g),
+                      text=self.text_stream, history=self.state.history, constrain=self.grammars.start)
         req = Request(None, prompt, cfg, on_text, lambda: self._closing.is_set() or (cancel is not None and bool(cancel())))
         (_, self.last_result), = dec.run([req])
         return self.last_result
 
-    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: PolicyConfig | None = None):
+    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: PolicyConfig | None = None,
+               constraint: Constraint | None = None):
         """The draft-length policy and proposers of a request (decoding/policy.build), learning into `state`
-        (default: the Pair's)."""
+        (default: the Pair's); `constraint`: its grammar's state (structured output)."""
 
         model = model_drafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, cfg.draft_window,
                               self.device)
         return build(cfg.draft_len, cfg.drafter, self.manifest.max_draft_len, self.state if state is None else state,
                      model if self.draft is not None else None, cfg.ngram_max,
-                     self.policy_config if config is None else config)
+                     self.policy_config if config is None else config, constraint)
 
     def close(self) -> None:
         """Release the sessions and caches. Idempotent.

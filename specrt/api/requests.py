@@ -24,8 +24,8 @@ import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from specrt.config import GenerationConfig, SamplingConfig, needs_draft_model
-from specrt.errors import ConfigError, show
+from specrt.config import GenerationConfig, Grammar, SamplingConfig, needs_draft_model
+from specrt.errors import ConfigError, first_line, show
 
 
 def tuned_drafter(tuned: dict | None, has_draft: bool) -> str | None:
@@ -105,9 +105,14 @@ class RequestError(ConfigError):
 # specrt fields, CLI flags), each with what its value must be. None anywhere means "unset": the default.
 _KINDS = {"max_new_tokens": "int", "temperature": "num", "top_k": "int", "top_p": "num", "seed": "int",
           "stop": "stops", "draft_len": "draft_len", "drafter": "str", "draft_window": "int",
-          "confidence_stop": "num", "ngram_max": "int", "sampling": "str"}
+          "confidence_stop": "num", "ngram_max": "int", "sampling": "str",
+          # structured output (at most one): a JSON schema, a regular expression, a Lark grammar, or OpenAI's
+          # response_format object
+          "json_schema": "schema", "regex": "str", "grammar": "grammar", "response_format": "response_format"}
 FIELDS = tuple(_KINDS)
+CONSTRAINTS = ("json_schema", "regex", "grammar", "response_format")
 _WHAT = {"int": "an integer", "num": "a number", "str": "a string", "stops": "a string or a list of strings",
+         "grammar": "a string (a Lark grammar)",
          "draft_len": "an integer or 'auto'"}
 
 
@@ -125,6 +130,12 @@ def _value(name: str, v):
                                param=name) from None
     elif kind == "str":
         bad = not isinstance(v, str)
+    elif kind == "schema":
+        return grammar_of(name, v)
+    elif kind == "grammar":  # Lark text, or a Grammar of any kind (the Python API)
+        bad = not isinstance(v, (str, Grammar))
+    elif kind == "response_format":
+        return response_format(v)
     elif kind == "draft_len":
         bad = v != "auto" and (isinstance(v, bool) or not isinstance(v, numbers.Integral))
         v = v if bad or v == "auto" else int(v)
@@ -148,6 +159,15 @@ def parse(fields: Mapping) -> dict:
     """The request settings among `fields` (any of FIELDS; other keys are the caller's), each checked for
     its kind: keyword arguments for `resolve` (unset ones left out). Ranges are GenerationConfig's checks."""
     out = {name: _value(name, fields[name]) for name in FIELDS if fields.get(name) is not None}
+    given = [name for name in CONSTRAINTS if name in out]
+    if len(given) > 1:
+        raise RequestError(f"give one of {', '.join(CONSTRAINTS)}, not {' and '.join(given)}", param=given[1])
+    for name in given:
+        g = out.pop(name)
+        if name in ("regex", "grammar") and not isinstance(g, Grammar):
+            g = Grammar("regex" if name == "regex" else "lark", g)
+        if g is not None:
+            out["grammar"] = g
     sampling = {n: out.pop(n) for n in ("temperature", "top_k", "top_p") if n in out}
     if "sampling" in out:
         sampling["method"] = out.pop("sampling")
@@ -160,10 +180,48 @@ def parse(fields: Mapping) -> dict:
     return out
 
 
-def prompt_ids(codec, vocab_size: int, prompt=None, messages=None, chat: bool = False) -> list[int]:
+def grammar_of(name: str, schema) -> Grammar:
+    """A JSON schema (a dict, or JSON text) as a request's Grammar."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{name} is not valid JSON: {e}", param=name) from None
+        except RecursionError:
+            raise RequestError(f"{name} is nested too deep", param=name) from None
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(f"{name} must be a JSON schema (an object), got {type(schema).__name__}", param=name)
+    try:
+        return Grammar("json_schema", json.dumps(schema, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise RequestError(f"{name} is not JSON data: {first_line(e)}", param=name) from None
+
+
+def response_format(v) -> Grammar | None:
+    """OpenAI's `response_format`: {"type": "text"} (None), {"type": "json_object"} (any JSON object) or
+    {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}."""
+    kind = v.get("type") if isinstance(v, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_schema", '{"type": "object"}')
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise RequestError("response_format json_schema needs a 'json_schema' object ({name, schema})",
+                               param="response_format")
+        schema = spec.get("schema")
+        return grammar_of("response_format.json_schema.schema", {"type": "object"} if schema is None else schema)
+    raise RequestError("response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}"
+                       + (f", got type {kind!r}" if kind is not None else ""), param="response_format")
+
+
+def prompt_ids(codec, vocab_size: int, prompt=None, messages=None, chat: bool = False,
+               tools: list[dict] | None = None) -> list[int]:
     """A request's prompt as token ids, the one rule for every front end: `prompt` text (with `chat`, wrapped
     as one user message), a list of token ids, or `messages` ([{role, content}], content a string or a list
-    of text parts) through the tokenizer's chat template."""
+    of text parts; an assistant's `tool_calls` and a tool reply's `tool_call_id` kept) through the tokenizer's
+    chat template, which also renders `tools` (OpenAI's tool objects) when given."""
     if messages is not None:
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -171,8 +229,13 @@ def prompt_ids(codec, vocab_size: int, prompt=None, messages=None, chat: bool = 
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'", param="messages")
-            clean.append({"role": m["role"], "content": _content(m.get("content"), i)})
-        return _nonempty(codec.encode(codec.apply_chat_template(clean)))
+            msg = {"role": m["role"], "content": _content(m.get("content"), i)}
+            if m.get("tool_calls") is not None:
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+            if isinstance(m.get("tool_call_id"), str):
+                msg["tool_call_id"] = m["tool_call_id"]
+            clean.append(msg)
+        return _nonempty(codec.encode(codec.apply_chat_template(clean, tools)))
     if isinstance(prompt, str):
         if chat:
             prompt = codec.apply_chat_template([{"role": "user", "content": prompt}])
@@ -199,6 +262,27 @@ def _content(content, i: int) -> str:
                                          for p in content):
         return "".join(p["text"] for p in content)
     raise RequestError(f"messages[{i}]: 'content' must be a string or a list of text parts", param="messages")
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's earlier tool calls, as chat templates read them: each call's `arguments` (a
+    JSON string in OpenAI's messages) as the object it encodes."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise RequestError(f"{where} must be a list of tool calls", param="messages")
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise RequestError(f"{where}: each call needs a 'function' with a string 'name'", param="messages")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except (json.JSONDecodeError, RecursionError):
+                raise RequestError(f"{where}: the arguments of {f['name']!r} are not JSON", param="messages") from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
 
 
 def _nonempty(ids: list[int]) -> list[int]:

@@ -43,8 +43,14 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """Render the tokenizer's chat template the way transformers does (jinja2, generation prompt on)."""
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template shows the model a list of tools (OpenAI's `tools`)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render the tokenizer's chat template the way transformers does (jinja2, generation prompt on);
+        `tools`: OpenAI's tool objects, for a template that renders them."""
         if not self.chat_template:
             raise ConfigError("this pair's tokenizer has no chat template; generate without --chat")
         import jinja2
@@ -57,7 +63,8 @@ class TextCodec:
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
-            return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+            extra = {"tools": tools} if tools else {}
+            return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True, **extra,
                                                               **{k: v for k, v in self.special.items() if v})
         except jinja2.TemplateError as e:
             raise ConfigError(f"chat template failed: {e}") from None

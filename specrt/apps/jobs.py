@@ -58,6 +58,7 @@ from specrt.api.pair import load
 from specrt.api.text import TextCodec, check_text
 from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, GenerationConfig, needs_draft_model
 from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.constraint import Grammars
 from specrt.decoding.proposers import History
 from specrt.errors import ConfigError, SpecrtError, first_line
 from specrt.manifest import read_manifest, sha256_file
@@ -93,6 +94,11 @@ class JobSettings:
     sampling: str | None = None
     greedy_draft_len: int | str | None = None
     greedy_drafter: str | None = None
+    # structured output for every record without its own (api/requests.CONSTRAINTS): at most one
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    response_format: dict | None = None
 
 
 @dataclass
@@ -152,13 +158,16 @@ def record_seed(seed: int, key: str) -> int:
 
 
 # what a record may set for itself; the rest of its settings are the job's (and part of its identity)
-RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "sampling")
+RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "sampling", *requests.CONSTRAINTS)
 
 
 def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
-    """A record's settings: the job's, overridden by the record's own RECORD_FIELDS (api/requests.parse)."""
-    fields = requests.parse({**{f: getattr(s, f, None) for f in RECORD_FIELDS}, "seed": seed,
-                             **{f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}})
+    """A record's settings: the job's, overridden by the record's own RECORD_FIELDS (api/requests.parse); a
+    record's own constraint replaces the job's."""
+    own = {f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}
+    job = {f: getattr(s, f, None) for f in RECORD_FIELDS
+           if not (f in requests.CONSTRAINTS and any(c in own for c in requests.CONSTRAINTS))}
+    fields = requests.parse({**job, "seed": seed, **own})
     cfg = GenerationConfig(draft_len=s.draft_len, drafter=s.drafter, confidence_stop=s.confidence_stop, **fields)
     if s.greedy_draft_len is not None and (cfg.sampling.greedy or cfg.sampling.method == "coupled"):
         cfg = replace(cfg, draft_len=s.greedy_draft_len, drafter=s.greedy_drafter)
@@ -171,9 +180,10 @@ def _encode(codec, m, rec: dict, chat: bool) -> list[int]:
     return requests.prompt_ids(codec, m.vocab_size, prompt=rec.get("prompt"), messages=rec.get("messages"), chat=chat)
 
 
-def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], str]:
-    """Parse and validate every line. Returns (records, sha256 of the file). Bad records become
-    records with an error; duplicate ids, an unreadable or empty file raise JobError."""
+def read_records(path: Path, codec, m, s: JobSettings, grammars: Grammars | None = None) -> tuple[list[Record], str]:
+    """Parse and validate every line (a record's grammar with `grammars`, the pair's compiler). Returns
+    (records, sha256 of the file). Bad records become records with an error; duplicate ids, an unreadable or
+    empty file raise JobError."""
     try:
         raw = Path(path).read_bytes()
     except OSError as e:
@@ -214,6 +224,8 @@ def read_records(path: Path, codec, m, s: JobSettings) -> tuple[list[Record], st
             r.prompt = _encode(codec, m, rec, s.chat)
             r.cfg = _config(s, rec, record_seed(s.seed, r.key))
             requests.check(m, r.prompt, r.cfg, batched=True)
+            if r.cfg.grammar is not None and grammars is not None:
+                grammars.check(r.cfg.grammar)
         except (ValueError, TypeError, SpecrtError) as e:
             r.prompt = r.cfg = None
             r.error = f"line {n}: {e}"
@@ -301,6 +313,9 @@ class JobOutput:
             # written before the job identity named its sampling default, which then was rejection: such a
             # job resumes with --sampling rejection
             theirs = {**theirs, "settings": {**settings, "sampling": "rejection"}}
+        if isinstance(settings, dict) and "sampling" in settings:
+            # written before jobs had structured output: none
+            theirs["settings"] = {**{c: None for c in requests.CONSTRAINTS}, **theirs["settings"]}
         if theirs != identity:
             diff = [k for k in ("format", "version", "input_sha256", "pair_graphs", "tokenizer")
                     if not isinstance(theirs, dict) or theirs.get(k) != identity[k]]
@@ -571,7 +586,11 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
     m = read_manifest(pair_dir)
     s = resolve_settings(m, settings)
     codec = TextCodec(pair_dir)
-    records, digest = read_records(Path(input_path), codec, m, s)
+    grammars = Grammars(pair_dir / "tokenizer.json", m.vocab_size, m.eos_token_ids)
+    job_grammar = _config(s, {}, 0).grammar
+    if job_grammar is not None:  # a bad job-wide constraint stops the job before anything runs
+        grammars.check(job_grammar)
+    records, digest = read_records(Path(input_path), codec, m, s, grammars)
     if Path(output_path).exists() and os.path.samefile(input_path, output_path):
         raise JobError(f"--input and --output are the same file ({output_path}): results would be written into "
                        "the prompts; choose another --output")

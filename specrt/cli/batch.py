@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import batch_size_value, draft_len_value, errors
+from specrt.cli.common import batch_size_value, constraint_fields, constraint_options, draft_len_value, errors
 from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, SAMPLERS
 
 
@@ -13,7 +13,8 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, SAMPLERS
 @click.argument("pair_dir", type=click.Path(path_type=Path))
 @click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
               help='JSONL: one {"id", "prompt" | "messages", optional "max_new_tokens", "temperature", "top_k", '
-                   '"top_p", "seed", "stop", "sampling"} per line.')
+                   '"top_p", "seed", "stop", "sampling", and one of "json_schema", "regex", "grammar", '
+                   '"response_format"} per line.')
 @click.option("--output", "output_path", required=True, type=click.Path(path_type=Path),
               help='JSONL of results, one {"id", "text", "tokens", "finish_reason", "stats"} or {"id", "error"} a '
                    "line. A rerun with the same output resumes where it stopped.")
@@ -56,10 +57,11 @@ from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, SAMPLERS
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA for a pair with fp16 activations on a machine with a GPU, else the CPU "
                    "(Ray actors run on the CPU).")
+@constraint_options
 @errors
 def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
           drafter, sampling, history_cap, chat, overwrite, ray_address, ray_actors, ray_cpus_per_actor, progress,
-          device):
+          device, json_schema, json_object, regex, grammar):
     """Run a JSONL file of prompts through batched speculative decoding into a JSONL file of results.
 
     Output lines are appended atomically and fsync'ed; a killed job resumes when rerun with the same
@@ -69,7 +71,8 @@ def batch(pair_dir, input_path, output_path, batch_size, max_new_tokens, tempera
     from specrt.apps.jobs import JobSettings, run_job
 
     settings = JobSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, draft_len=draft_len, drafter=drafter, chat=chat, sampling=sampling)
+                           seed=seed, draft_len=draft_len, drafter=drafter, chat=chat, sampling=sampling,
+                           **constraint_fields(json_schema, json_object, regex, grammar))
     run_job(pair_dir, input_path, output_path, settings, batch_size=batch_size, overwrite=overwrite,
             ray_address=ray_address, ray_actors=ray_actors, ray_cpus_per_actor=ray_cpus_per_actor,
             progress=progress, device=device, history_cap=history_cap)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import click
 
@@ -113,3 +114,39 @@ def batch_size_list(ctx, param, value):
 def log(s: str) -> None:
     """Progress lines of the library (export, engine builds) go to stderr."""
     click.echo(s, err=True)
+
+
+def constraint_options(fn):
+    """Structured output: --json-schema FILE, --json-object, --regex RE, --grammar FILE (at most one)."""
+    opts = [
+        click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="A JSON schema file: the output is one JSON value that it validates (on one line)."),
+        click.option("--json-object", is_flag=True, help="The output is a JSON object, of any shape."),
+        click.option("--regex", default=None, help="The output matches this regular expression (Rust regex syntax)."),
+        click.option("--grammar", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="A grammar file (Lark, llguidance's dialect; GBNF is read too): the output matches it."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def constraint_fields(json_schema, json_object, regex, grammar) -> dict:
+    """The request fields (api/requests.FIELDS) of constraint_options' values; files read here."""
+    given = [n for n, v in (("--json-schema", json_schema), ("--json-object", json_object), ("--regex", regex),
+                            ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise click.UsageError(f"give one of --json-schema, --json-object, --regex, --grammar, not {' and '.join(given)}")
+    out = {}
+    if json_object:
+        out["response_format"] = {"type": "json_object"}
+    for name, path in (("json_schema", json_schema), ("grammar", grammar)):
+        if path is not None:
+            try:
+                out[name] = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise click.BadParameter(f"cannot read {path}: {getattr(e, 'strerror', None) or e}",
+                                         param_hint=f"--{name.replace('_', '-')}") from None
+    if regex is not None:
+        out["regex"] = regex
+    return out

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specrt.cli.common import device_option, draft_len_value, errors, load_pair
+from specrt.cli.common import constraint_fields, constraint_options, device_option, draft_len_value, errors, load_pair
 from specrt.config import MAX_NEW_TOKENS, SAMPLERS
 
 
@@ -43,10 +43,11 @@ from specrt.config import MAX_NEW_TOKENS, SAMPLERS
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {tokens, text, stats} instead of streaming.")
+@constraint_options
 @device_option
 @errors
 def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p, seed, draft_len, confidence_stop, drafter,
-             draft_window, ngram_max, sampling, stop, chat, as_json):
+             draft_window, ngram_max, sampling, stop, chat, as_json, json_schema, json_object, regex, grammar):
     """Generate text with speculative decoding from a pair folder."""
     from specrt.config import needs_draft_model
     from specrt.manifest import read_manifest
@@ -54,11 +55,12 @@ def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p
     # prompt lookup alone (or no drafting) leaves the draft model out: its load time and a fifth of the memory
     chosen = drafter or ((read_manifest(pair_dir).tuned or {}).get("drafter") if draft_len != 0 else None)
     model = needs_draft_model(chosen, draft_len)
+    constraint = constraint_fields(json_schema, json_object, regex, grammar)
     with load_pair(pair_dir, device, draft_model=model) as pair:
         cfg = pair.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  seed=seed, stop=list(stop), draft_len=draft_len, drafter=drafter,
                                  confidence_stop=confidence_stop, draft_window=draft_window, ngram_max=ngram_max,
-                                 sampling=sampling))
+                                 sampling=sampling, **constraint))
         ids = pair.encode(prompt, chat=chat)
         stream = None if as_json else (lambda s: (click.echo(s, nl=False), sys.stdout.flush()))
         res = pair.run(ids, cfg, on_text=stream)
@@ -68,6 +70,9 @@ def generate(pair_dir, device, prompt, max_new_tokens, temperature, top_k, top_p
     else:
         click.echo()
         click.echo(summary(res.stats), err=True)
+    if res.stats.get("grammar_complete") is False:
+        why = res.stats.get("grammar_error") or f"max_new_tokens ({cfg.max_new_tokens}) came first"
+        click.echo(f"note: the output is not a complete match of the constraint: {why}", err=True)
 
 
 def summary(s: dict) -> str:

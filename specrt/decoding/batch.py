@@ -51,6 +51,7 @@ import copy
 import numpy as np
 
 from specrt.config import GenerationConfig
+from specrt.decoding.constraint import Constraint
 from specrt.decoding.decode import WAIT, Decoder, Request
 from specrt.decoding.policy import PolicyState, build
 from specrt.decoding.prefix import PromptCache
@@ -161,18 +162,18 @@ class BatchDecoder(Decoder):
         self.state = PolicyState(acceptance=copy.deepcopy(pair.state.acceptance), history=pair.state.history)
         super().__init__(target, self._draft_rows, m.vocab_size, frozenset(m.eos_token_ids), self._policy,
                          text=pair.text_stream, history=pair.state.history,
-                         share_prefix=getattr(pair, "share_prefix", True))
+                         share_prefix=getattr(pair, "share_prefix", True), constrain=pair.grammars.start)
 
     def _draft_rows(self) -> Ragged:  # made on first need: a target-only job allocates no draft cache
         return Ragged(self.pair.batch_engine("draft", self.B, self.cache_len, 1), self.max_width)
 
-    def _policy(self, r: int, cfg: GenerationConfig):
+    def _policy(self, r: int, cfg: GenerationConfig, constraint: Constraint | None):
         def model(skip: int | None) -> ModelProposer:  # the lone run's window and skip; no memory across requests
             return model_drafter(self.draft.e.row(r), self.vocab, self.pair.draft_ids, None, cfg.draft_window,
                                  self.pair.device)(skip)
 
         return build(cfg.draft_len, cfg.drafter, self.pair.manifest.max_draft_len, self.state, model=model,
-                     ngram_max=cfg.ngram_max, config=self.pair.policy_config)
+                     ngram_max=cfg.ngram_max, config=self.pair.policy_config, constraint=constraint)
 
     def check(self, prompt: list[int] | None, cfg: GenerationConfig) -> None:
         """Raise ConfigError for a request this decoder cannot run (the pair's check of a batch row)."""

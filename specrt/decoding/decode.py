@@ -18,8 +18,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specrt.config import GenerationConfig
+from specrt.config import GenerationConfig, Grammar
 from specrt.decoding import sampling
+from specrt.decoding.constraint import Constraint
 from specrt.decoding.policy import Batch, Policy, Round
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING, History, Proposal
@@ -74,6 +75,11 @@ class Stats:
     ttft_s: float = 0.0
     wall_s: float = 0.0
     batch_size: int = 1  # rows of the batch it ran in
+    # structured output (None/empty: free text): whether the output is a complete match of its grammar,
+    # why the grammar could not go on, and the seconds its token masks took
+    grammar_complete: bool | None = None
+    grammar_error: str = ""
+    mask_ms: float = 0.0
 
     def count(self, r: Round) -> None:
         """Add one round."""
@@ -209,6 +215,7 @@ class _Row:
     stats: Stats
     rng: np.random.Generator | sampling.Coupled  # its randomness (sampling.source)
     seq: list[int]
+    constraint: Constraint | None = None  # its grammar's state (structured output)
     start: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
     reason: str = ""
@@ -224,14 +231,17 @@ class _Row:
 
 class Decoder:
     """Decodes requests over the `target.batch` rows of `target` (and of the draft model's rows, made by
-    `draft()` on first need: a target-only run allocates no draft cache). `policy(r, cfg)` builds a
-    request's policy and proposers for row r; `text(stop)` its text stream (None: no text, TokenStream);
-    `history`: where every finished request's output goes (the suffix proposer drafts from it)."""
+    `draft()` on first need: a target-only run allocates no draft cache). `policy(r, cfg, constraint)` builds
+    a request's policy and proposers for row r; `text(stop)` its text stream (None: no text, TokenStream);
+    `history`: where every finished request's output goes (the suffix proposer drafts from it);
+    `constrain(grammar)`: a constrained request's Constraint (decoding/constraint.Grammars.start)."""
 
     def __init__(self, target: Rows, draft: Callable[[], Rows], vocab: int, eos_ids: frozenset[int],
-                 policy: Callable[[int, GenerationConfig], Policy], text: Callable[[tuple[str, ...]], Any] | None = None,
-                 history: History | None = None, share_prefix: bool = True):
+                 policy: Callable[[int, GenerationConfig, Constraint | None], Policy],
+                 text: Callable[[tuple[str, ...]], Any] | None = None, history: History | None = None,
+                 share_prefix: bool = True, constrain: Callable[[Grammar], Constraint] | None = None):
         self.target, self._make_draft, self._draft = target, draft, None
+        self.constrain = constrain
         self.vocab, self.eos, self.policy_for, self.history = vocab, eos_ids, policy, history
         self.text, self.share_prefix = text or (lambda stop: TokenStream()), share_prefix
         self.B = target.batch
@@ -292,9 +302,13 @@ class Decoder:
             batch = Batch(self.B, widest, rate) if self.B > 1 and rate else None
             row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left, batch)
             widest = max(widest, row.k + 1)
-        # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position.
+        # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position; under a grammar,
+        #    a proposal is cut at its first token the grammar forbids.
         t0 = time.perf_counter()
         drafts, steps = self._propose([(r, row) for r, row in active if row.k])
+        for r, row in active:
+            if row.constraint is not None and r in drafts:
+                drafts[r] = drafts[r].cut(row.constraint.cut(drafts[r].tokens))
         # 3. Verify every row's last token and drafts in one target pass.
         t1 = time.perf_counter()
         feeds = {r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}
@@ -305,8 +319,11 @@ class Decoder:
         self.totals.row_rounds += len(active)
         emitted = 0
         for r, row in active:
-            # 4. Accept a prefix of the row's drafts, and one more token from the target.
+            # 4. Accept a prefix of the row's drafts, and one more token from the target (under a grammar, from
+            #    logits masked as the drafts' were).
             draft, lg = drafts.get(r, NOTHING), logits[r][:, :self.vocab]  # [k'+1, V]
+            if row.constraint is not None:
+                lg = row.constraint.mask(lg, draft.tokens)
             n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, len(row.seq))
             new = [*draft.tokens[:n].tolist(), t]
             # 5. Commit: the verified slots stay; rejected ones go by moving the lengths back.
@@ -331,7 +348,7 @@ class Decoder:
         how many draft passes that took."""
         done, steps, feeds, catchup, passes = {}, {}, {}, {}, 0
         for r, row in rows:
-            g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.cfg.confidence_stop)
+            g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.cfg.confidence_stop, row.constraint)
             try:
                 feeds[r], steps[r] = next(g), g
             except StopIteration as s:  # needs no pass (a lookup)
@@ -357,11 +374,12 @@ class Decoder:
 
     def _start(self, r: int, req: Request) -> _Row:
         cfg = req.cfg
-        policy = self.policy_for(r, cfg)
+        constraint = self.constrain(cfg.grammar) if cfg.grammar is not None else None
+        policy = self.policy_for(r, cfg, constraint)
         k = policy.max_k
         row = _Row(req=req, stream=self.text(cfg.stop), policy=policy,
                    rng=sampling.source(cfg.seed, cfg.sampling.method == "coupled"),
-                   seq=list(req.prompt), stats=Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k,
+                   seq=list(req.prompt), constraint=constraint, stats=Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k,
                                                      accepted_at=[0] * k, prompt_tokens=len(req.prompt),
                                                      batch_size=self.B))
         self.totals.requests += 1
@@ -371,6 +389,8 @@ class Decoder:
         # The target reads the prompt (but what its row kept of an earlier one); the last position gives
         # the first token.
         logits, row.stats.prompt_cached = self.target.prefill(r, row.seq, self.share_prefix)
+        if constraint is not None:
+            logits = constraint.mask(logits[None, :self.vocab], ())[0]
         x = sampling.pick(logits[:self.vocab], cfg.sampling, row.rng, len(row.seq))
         row.read = True
         self.totals.prefills += 1
@@ -385,6 +405,8 @@ class Decoder:
         new, reason = emit(new, self.eos, row.cfg.max_new_tokens - len(row.out))
         row.out += new
         row.seq += new
+        if row.constraint is not None:
+            reason = self._follow(row, new, reason)
         if new:
             chunk = row.stream.feed(new)
             if chunk and row.req.on_text is not None:
@@ -395,6 +417,21 @@ class Decoder:
             row.reason = reason or "length"
         elif row.req.cancel is not None and row.req.cancel():
             row.reason = "cancelled"
+
+    @staticmethod
+    def _follow(row: _Row, new: list[int], reason: str) -> str:
+        """The grammar takes a round's output; the request ends where the grammar is complete ("eos": it
+        allows only EOS, which the target would pick) or allows no token ("length", said in the stats)."""
+        c = row.constraint
+        c.commit(new)
+        if reason:
+            return reason
+        if c.stopped:
+            return "eos"
+        if not c.allowed(()).any():
+            row.stats.grammar_error = c.error or "the grammar allows no token here (one the tokenizer cannot spell?)"
+            return "length"
+        return ""
 
     def _finish(self, r: int, row: _Row) -> _Row:
         """A request's end, the same for every row: free its rows, cut its output at the stop string, add
@@ -413,6 +450,10 @@ class Decoder:
             for name, value in row.policy.finish(len(row.out)).items():
                 setattr(st, name, value)
         st.new_tokens, st.wall_s = len(tokens), time.perf_counter() - row.start
+        if row.constraint is not None:
+            c = row.constraint
+            st.grammar_complete = c.complete
+            st.mask_ms = round(1e3 * c.mask_s, 3)
         self.totals.new_tokens += len(tokens)
         row.result = Result(tokens=tokens, text=row.stream.text, finish_reason=row.reason, stats=st.as_dict())
         return row
@@ -429,7 +470,7 @@ def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationCon
     what the target's cache kept of earlier prompts (decoding/prefix.py; None: the prompt is read whole).
     """
     model = getattr(policy, "model", None)
-    dec = Decoder(Single(target, prompt_cache), lambda: Single(model.engine), vocab, eos_ids, lambda r, c: policy,
+    dec = Decoder(Single(target, prompt_cache), lambda: Single(model.engine), vocab, eos_ids, lambda r, c, g: policy,
                   text=lambda stop: TokenStream(on_tokens))
     row, = dec.finished([Request(0, prompt, cfg)])
     return row.result.tokens, row.result.finish_reason, row.stats

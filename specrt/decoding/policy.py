@@ -38,8 +38,9 @@ import numpy as np
 
 from specrt.config import needs_draft_model
 from specrt.decoding import sampling
-from specrt.decoding.proposers import (Found, History, LookupProposer, ModelProposer, Proposal, Proposer,
-                                       SuffixProposer)
+from specrt.decoding.constraint import Constraint
+from specrt.decoding.proposers import (Found, GrammarProposer, History, LookupProposer, ModelProposer, Proposal,
+                                       Proposer, SuffixProposer)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,10 @@ class PolicyConfig:
     # hybrid with a windowed draft: after its first draft of a request a catch-up reads at most this
     # many of the tokens it missed (lookup rounds' copies; None: all, up to the window)
     skip: int | None = 8
+    # a constrained request drafts what its grammar forces, free (decoding/constraint.py): in place of the
+    # policy's proposer when it forces at least `forced_first` tokens, or when the proposer would draft none
+    forced: bool = True
+    forced_first: int = 2
 
 
 @dataclass
@@ -345,11 +350,27 @@ class Policy(Protocol):
 
 
 class _Base:
-    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: PolicyConfig):
+    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: PolicyConfig,
+                 forced: Proposer | None = None):
         self.proposers, self.max_k, self.state, self.c = tuple(proposers), max_k if proposers else 0, state, config
         self.lookup = next((p for p in proposers if p.free), None)
         self.model = next((p for p in proposers if not p.free), None)
+        self.forced = forced if config.forced else None  # what a constraint forces (GrammarProposer)
         self.spent = 0.0  # seconds of draft and verify passes
+
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
+        found = self.forced.find(seq, limit) if self.forced is not None and limit > 0 else None
+        n = len(found.tokens) if found is not None else 0
+        if n >= self.c.forced_first:
+            return self._forced_round(n)
+        src, k = self.choose(seq, limit, left, batch)
+        return self._forced_round(n) if n and not k else (src, k)
+
+    def _forced_round(self, n: int) -> tuple[Proposer, int]:
+        return self.forced, n
+
+    def choose(self, seq: list[int], limit: int, left: int, batch: Batch | None) -> tuple[Proposer | None, int]:
+        raise NotImplementedError
 
     def start(self, prompt: list[int]) -> None:
         for p in self.proposers:
@@ -381,10 +402,10 @@ class Fixed(_Base):
     tokens (a 1-token match is right ~20% of the time, the model's first token ~80% on code)."""
 
     def __init__(self, k: int, proposers: Sequence[Proposer], state: PolicyState | None = None,
-                 config: PolicyConfig = PolicyConfig()):
-        super().__init__(proposers, k, state or PolicyState(), config)
+                 config: PolicyConfig = PolicyConfig(), forced: Proposer | None = None):
+        super().__init__(proposers, k, state or PolicyState(), config, forced)
 
-    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
+    def choose(self, seq: list[int], limit: int, left: int, batch: Batch | None) -> tuple[Proposer | None, int]:
         if limit <= 0:
             return None, 0
         if self.lookup is not None:
@@ -398,8 +419,8 @@ class Auto(_Base):
     """draft_len="auto" (module docstring)."""
 
     def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState | None = None,
-                 config: PolicyConfig = PolicyConfig()):
-        super().__init__(proposers, max_k, state or PolicyState(), config)
+                 config: PolicyConfig = PolicyConfig(), forced: Proposer | None = None):
+        super().__init__(proposers, max_k, state or PolicyState(), config, forced)
         self.hybrid = self.lookup is not None and self.model is not None
 
     def start(self, prompt: list[int]) -> None:
@@ -428,7 +449,11 @@ class Auto(_Base):
                                           accept=list(prior.get(kind) or prior.get(family, [])))
         return self.autos[kind]
 
-    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
+    def _forced_round(self, n: int) -> tuple[Proposer, int]:
+        self._plan = (self.forced, None, False, None)  # nothing to learn: the grammar is no estimate's
+        return self.forced, n
+
+    def choose(self, seq: list[int], limit: int, left: int, batch: Batch | None) -> tuple[Proposer | None, int]:
         self._plan = (None, None, False, None)
         if limit <= 0:
             return None, 0
@@ -498,12 +523,14 @@ class Auto(_Base):
 
 def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | None = None,
           model: Callable[..., ModelProposer] | None = None, ngram_max: int = 16,
-          config: PolicyConfig = PolicyConfig()) -> Fixed | Auto:
+          config: PolicyConfig = PolicyConfig(), constraint: Constraint | None = None) -> Fixed | Auto:
     """The policy for a request: `drafter` "model" | "ngram" | "suffix" | "hybrid"; `model(skip=)`
     makes the model proposer (None: the pair has no draft model); `state.history` is what the suffix
-    proposer searches besides the request (none: only the request, like prompt lookup)."""
+    proposer searches besides the request (none: only the request, like prompt lookup); `constraint`: the
+    request's grammar, whose forced tokens it drafts too (draft_len 0 is the target alone: none)."""
     if draft_len == 0:
         return Fixed(0, (), state, config)
+    forced = GrammarProposer(constraint) if constraint is not None else None
     proposers: list[Proposer] = []
     history = state.history if state is not None else None
     if drafter == "suffix" or (drafter == "hybrid" and draft_len == "auto" and config.history and history is not None):
@@ -514,6 +541,6 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
     if needs_draft_model(drafter):
         proposers.append(model(skip=config.skip if drafter == "hybrid" else None))
     if draft_len == "auto":
-        return Auto(proposers, max_k, state, config)
-    return Fixed(int(draft_len), proposers, state, config)
+        return Auto(proposers, max_k, state, config, forced)
+    return Fixed(int(draft_len), proposers, state, config, forced)
 

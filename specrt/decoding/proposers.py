@@ -21,6 +21,7 @@ import numpy as np
 
 from specrt.config import HISTORY_CAP, SamplingConfig
 from specrt.decoding import sampling
+from specrt.decoding.constraint import Constraint
 from specrt.engines.base import Engine
 from specrt.errors import ConfigError
 
@@ -32,6 +33,13 @@ class Proposal:
     passes: int = 0  # draft model passes it took (a catch-up pass included)
     catchup_s: float = 0.0  # time of its first pass when that read > 2 tokens (catching up), else 0
     catchup_tokens: int = 0  # how many tokens that pass read
+
+    def cut(self, n: int) -> Proposal:
+        """Its first n tokens (what a grammar allows of it)."""
+        if n >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:n], None if self.p_draft is None else self.p_draft[:n], self.passes,
+                        self.catchup_s, self.catchup_tokens)
 
 
 NOTHING = Proposal(np.empty(0, np.int64))
@@ -60,7 +68,8 @@ class Proposer(Protocol):
     def behind(self, seq: list[int]) -> int:
         """Tokens its next proposal reads before it can draft (what a catch-up costs)."""
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0) -> Steps: ...
+              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+        """Its proposal's coroutine; under a `constraint` a model drafts from its masked distributions."""
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
                 confidence_stop: float = 0.0) -> Proposal: ...
     def commit(self, valid: int) -> None:
@@ -172,8 +181,10 @@ class ModelProposer:
         self.engine.truncate(keep)
 
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0) -> Steps:
-        """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`."""
+              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+        """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`, or where
+        the `constraint` allows no token. Under a constraint each position's logits are masked as the
+        target's will be (decoding/constraint.py), so the draft's distributions are the constrained ones."""
         if self.skip is not None and not self.fresh and self._unread(seq) > self.skip:
             # Read only the last `skip` tokens of what it missed; the cache keeps what came before, with a
             # gap (the skipped tokens' positions go to the ones after them).
@@ -195,10 +206,17 @@ class ModelProposer:
         d, p = [], None if cfg.greedy else []
         for _ in range(k):
             rows = yield feed  # [W]
+            allowed = constraint.allowed(d) if constraint is not None else None
+            if allowed is not None:
+                rows = expand_logits(rows, self.ids, self.vocab)
+                rows[~allowed] = -np.inf
+                if not allowed.any():
+                    break
+            ids = None if allowed is not None else self.ids
             if p is None:
-                t, top = greedy_pick(rows, self.ids, self.vocab, bool(confidence_stop))
+                t, top = greedy_pick(rows, ids, self.vocab, bool(confidence_stop))
             else:
-                p.append(sampling.warp(expand_logits(rows, self.ids, self.vocab)[None], cfg)[0])  # [V]
+                p.append(sampling.warp(expand_logits(rows, ids, self.vocab)[None], cfg)[0])  # [V]
                 t, top = sampling.sample(p[-1], rng, len(seq) + len(d)), p[-1].max()
             d.append(t)
             feed = [t]
@@ -207,8 +225,8 @@ class ModelProposer:
         return Proposal(np.array(d, np.int64), None if p is None else np.stack(p), passes=len(d))
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-                confidence_stop: float = 0.0) -> Proposal:
-        steps, catchup = self.steps(seq, k, cfg, rng, confidence_stop), (0.0, 0)
+                confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Proposal:
+        steps, catchup = self.steps(seq, k, cfg, rng, confidence_stop, constraint), (0.0, 0)
         feed = next(steps)
         while True:
             t0 = time.perf_counter()
@@ -278,8 +296,8 @@ class LookupProposer:
         return Proposal(found.tokens[:k])
 
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0) -> Steps:
-        return self.propose(seq, k, cfg, rng)
+              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+        return self.propose(seq, k, cfg, rng)  # what leaves a constraint is cut by the round
         yield  # a generator that needs no pass
 
     def match(self, seq: list[int], k: int) -> tuple[np.ndarray, int]:
@@ -389,3 +407,35 @@ class SuffixProposer(LookupProposer):
             if len(tokens):
                 return Found(tokens, n, self._kind("suffix", n), "suffix")
         return Found(own, n_own, self._kind("ngram", n_own), "ngram")
+
+
+class GrammarProposer:
+    """The tokens a request's grammar allows as the only continuation (decoding/constraint.py): a free
+    proposal of point masses, which the target accepts with its own (constrained) probability."""
+
+    name = kind = "grammar"
+    free = True
+
+    def __init__(self, constraint: Constraint):
+        self.constraint = constraint
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def behind(self, seq: list[int]) -> int:
+        return 0
+
+    def find(self, seq: list[int], k: int) -> Found:
+        return Found(np.array(self.constraint.forced(k), np.int64), 0, "grammar", "grammar")
+
+    def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
+                confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Proposal:
+        return Proposal(self.find(seq, k).tokens)
+
+    def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
+              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+        return self.propose(seq, k, cfg, rng)
+        yield  # a generator that needs no pass
+
+    def commit(self, valid: int) -> None:
+        pass

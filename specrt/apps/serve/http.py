@@ -31,6 +31,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from specrt.apps.serve.scheduler import QueueFull, Scheduler, ShuttingDown
+from specrt.apps.serve.tools import StreamedCalls, Tools, tools_of
+from specrt.apps.serve.tools import parse as tools_parse
 from specrt.api import requests
 from specrt.config import GenerationConfig
 from specrt.errors import SpecrtError
@@ -41,7 +43,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # OpenAI's finish_
 # Fields OpenAI defines that change the output and that specrt does not implement, with the values that
 # mean "off": a request that sets one to anything else gets a 400, not a silently different answer.
 UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
-               "top_logprobs": (0,), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+               "top_logprobs": (0,), "functions": ([],),
                "echo": (False,), "best_of": (1,), "suffix": ("",), "n": (1,)}
 MAX_HEADER_BYTES = 16384  # a request's line and headers
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")  # the names a keyless server answers to besides its own address
@@ -99,11 +101,11 @@ def _field(body: dict, name: str, kinds, default=None):
     return v
 
 
-def prompt_ids(pair, body: dict, chat: bool) -> list[int]:
-    """The request's prompt as token ids (api/requests.prompt_ids): chat `messages`, or `prompt` (OpenAI
-    also allows a list holding one prompt)."""
+def prompt_ids(pair, body: dict, chat: bool, tools: Tools | None = None) -> list[int]:
+    """The request's prompt as token ids (api/requests.prompt_ids): chat `messages` (with the `tools` the
+    template shows), or `prompt` (OpenAI also allows a list holding one prompt)."""
     if chat:
-        where, fields = "messages", {"messages": body.get("messages")}
+        where, fields = "messages", {"messages": body.get("messages"), "tools": tools.render if tools else None}
         if fields["messages"] is None:
             raise APIError(400, "'messages' is required: a non-empty list of {role, content}", param="messages")
     else:
@@ -123,10 +125,11 @@ def _off(value, noops: tuple) -> bool:
         isinstance(value, float) and any(type(n) is int and value == n for n in noops))
 
 
-def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettings | None = None) -> GenerationConfig:
+def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettings | None = None,
+                      tools: Tools | None = None) -> GenerationConfig:
     """The request's settings (api/requests.parse, with OpenAI's names and defaults: `max_tokens` or
     `max_completion_tokens`, temperature 1 in [0, 2], a random seed); max_tokens is bounded by the room the
-    cache leaves."""
+    cache leaves; a required or named tool call constrains the reply (apps/serve/tools.py)."""
     for name, noops in UNSUPPORTED.items():
         if body.get(name) is not None and not _off(body[name], noops):
             allowed = " or ".join(json.dumps(n) for n in noops)
@@ -151,11 +154,18 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
         if not kw["sampling"].temperature <= 2.0:
             raise requests.RequestError(f"'temperature' must be in [0, 2], got {kw['sampling'].temperature}",
                                         param="temperature")
+        if tools is not None and tools.grammar is not None:
+            if "grammar" in kw:
+                raise requests.RequestError("a required or named tool call and a response format cannot both "
+                                            "constrain the reply", param="tool_choice")
+            kw["grammar"] = tools.grammar
         kw.update(max_new_tokens=min(given or room, room), seed=kw.get("seed", secrets.randbits(31)))
         cfg = pair.config(**kw)
         pair.check(prompt, cfg)
     except SpecrtError as e:
         param = getattr(e, "param", None)
+        if param in requests.CONSTRAINTS:  # a grammar's error names the field that gave it
+            param = next((f for f in requests.CONSTRAINTS if body.get(f) is not None), "tools")
         raise APIError(400, str(e), param=name if param == "max_new_tokens" else param) from None
     return cfg
 
@@ -361,16 +371,22 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
     def parse(raw: bytearray, chat: bool):
         """The request in a body, off the event loop: (prompt ids, settings, stream, usage in the stream)."""
         body = parse_body(raw)
-        prompt = prompt_ids(pair, body, chat)
-        cfg = generation_config(pair, body, prompt, settings)
+        try:
+            tools = tools_of(body, pair.codec) if chat else None
+        except SpecrtError as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+        if not chat and body.get("tools"):
+            raise APIError(400, "'tools' is for /v1/chat/completions", param="tools")
+        prompt = prompt_ids(pair, body, chat, tools)
+        cfg = generation_config(pair, body, prompt, settings, tools)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
-        return prompt, cfg, stream, _field(options, "include_usage", (bool,), False) and stream
+        return prompt, cfg, stream, _field(options, "include_usage", (bool,), False) and stream, tools
 
     async def complete(request: Request, chat: bool):
         raw = await read_body(request)
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
-        prompt, cfg, stream, usage_in_stream = await loop.run_in_executor(
+        prompt, cfg, stream, usage_in_stream, tools = await loop.run_in_executor(
             big_bodies if len(raw) > BIG_BODY else bodies, parse, raw, chat)
 
         def deliver(item):  # from the worker thread; a whole response needs no text chunks
@@ -386,7 +402,7 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         except ShuttingDown as e:
             raise APIError(503, str(e), kind="server_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = _Shape(rid, settings.model, chat, len(prompt))
+        shape = _Shape(rid, settings.model, chat, len(prompt), tools)
         if stream:
             return StreamingResponse(_events(job, items, shape, usage_in_stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -465,14 +481,18 @@ def _as_api_error(e: BaseException) -> APIError:
     return APIError(500, "internal error (see the server's log)", kind="server_error")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Shape:
-    """OpenAI's response objects for one request."""
+    """OpenAI's response objects for one request (with `tools`, its reply parsed for tool calls)."""
 
     rid: str
     model: str
     chat: bool
     prompt_tokens: int
+    tools: Tools | None = None
+
+    def __post_init__(self):
+        self.calls = StreamedCalls(self.tools) if self.tools is not None else None
 
     def _obj(self, choices: list, stream: bool, **extra) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
@@ -486,7 +506,14 @@ class _Shape:
 
     def whole(self, res) -> dict:
         fr = FINISH.get(res.finish_reason, res.finish_reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": res.text}, "logprobs": None, "finish_reason": fr}
+        message = {"role": "assistant", "content": res.text}
+        if self.tools is not None:
+            content, calls = tools_parse(res.text, self.tools)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                fr = "tool_calls" if fr == "stop" else fr
+        choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": fr}
                   if self.chat else {"index": 0, "text": res.text, "logprobs": None, "finish_reason": fr})
         return self._obj([choice], False, usage=self.usage(res), specrt=_stats(res))
 
@@ -496,11 +523,23 @@ class _Shape:
             return self._obj([{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}], True)
         return self._obj([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}], True)
 
+    def deltas(self, text: str) -> list[dict]:
+        """The chunks of a piece of streamed text: content, or (with tools) whole tool calls."""
+        if self.calls is None:
+            return [self.delta(text)]
+        return [self.delta(x) if isinstance(x, str) else self._obj(
+            [{"index": 0, "delta": {"tool_calls": [x]}, "logprobs": None, "finish_reason": None}], True)
+            for x in self.calls.feed(text)]
+
     def last(self, res, with_usage: bool) -> list[dict]:
         fr = FINISH.get(res.finish_reason, res.finish_reason)
+        out = []
+        if self.calls is not None:
+            out += [self.delta(x) for x in self.calls.finish()]
+            fr = "tool_calls" if self.calls.calls and fr == "stop" else fr
         end = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": fr} if self.chat else \
             {"index": 0, "text": "", "logprobs": None, "finish_reason": fr}
-        out = [self._obj([end], True, specrt=_stats(res))]
+        out.append(self._obj([end], True, specrt=_stats(res)))
         if with_usage:
             out.append(self._obj([], True, usage=self.usage(res)))
         return out
@@ -523,7 +562,8 @@ async def _events(job, items: asyncio.Queue, shape: _Shape, with_usage: bool):
         while True:
             item = await items.get()
             if isinstance(item, str):
-                yield _sse(shape.delta(item))
+                for obj in shape.deltas(item):
+                    yield _sse(obj)
                 continue
             if isinstance(item, BaseException):
                 yield _sse(_as_api_error(item).body())

@@ -1,0 +1,174 @@
+"""Tool calls on /v1/chat/completions: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
+
+The pair's chat template shows the model the tools; the model answers a call as a `<tool_call>` block holding
+{"name", "arguments"} (the convention of Qwen2.5's and Hermes' templates), which the reply is parsed for and
+returned as OpenAI's `tool_calls`. `tool_choice`:
+- "auto" (the default with tools): the model chooses, free text or calls;
+- "required", or a named function: the reply is constrained (decoding/constraint.py) to calls whose
+  arguments validate against the functions' parameter schemas, of that function only when named;
+- "none": no call; the tools are not shown to the model.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from specrt.api.requests import RequestError
+from specrt.config import Grammar
+from specrt.decoding.constraint import JSON_STYLE
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's tools as the server uses them."""
+
+    render: list[dict] | None  # what the chat template shows (None: nothing)
+    names: frozenset[str]  # the functions a reply may call
+    grammar: Grammar | None  # "required" or a named function: the calls' grammar
+    parallel: bool
+
+
+def tools_of(body: dict, codec) -> Tools | None:
+    """The request's tools (None: it has none, or tool_choice "none"); RequestError for a bad one."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise RequestError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list of {\"type\": \"function\", \"function\": {name, parameters}}",
+                           param="tools")
+    functions = {}
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
+            raise RequestError(f"tools[{i}] must be " + '{"type": "function", "function": {"name": letters, digits, '
+                               '_ or - (at most 64), "parameters": a JSON schema}}', param="tools")
+        params = f.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
+        if f["name"] in functions:
+            raise RequestError(f"tools[{i}]: the function {f['name']!r} is given twice", param="tools")
+        functions[f["name"]] = params if "type" in params else {"type": "object", **params}  # arguments are an object
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise RequestError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+    if choice is None or choice == "auto":
+        called = None
+    elif choice == "none":
+        return None
+    elif choice == "required":
+        called = list(functions)
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in functions:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not in 'tools'", param="tool_choice")
+        called = [name]
+    else:
+        raise RequestError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param="tool_choice")
+    if not codec.renders_tools:
+        raise RequestError("this pair's chat template does not show tools to the model", param="tools")
+    grammar = None if called is None else Grammar("lark", calls_grammar({n: functions[n] for n in called}, parallel, codec))
+    return Tools([t for t in tools], frozenset(functions), grammar, parallel)
+
+
+def calls_grammar(functions: dict[str, dict], many: bool, codec) -> str:
+    """A Lark grammar (llguidance's) of one tool call block, or of several (`many`), of these functions."""
+    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+                     for n, p in functions.items()], "x-guidance": JSON_STYLE}
+    nl = json.dumps("\n")  # a newline as the grammar spells it
+    return "\n".join([f"start: call ({nl} call)*" if many else "start: call",
+                      f"call: {_token(codec, OPEN)} {nl} body {nl} {_token(codec, CLOSE)}",
+                      f"body: %json {json.dumps(one)}", ""])
+
+
+def _token(codec, text: str) -> str:
+    """The grammar's name for `text`: its token when the tokenizer has it as one (a special token is no text
+    to match), else the text."""
+    i = codec.tokenizer.token_to_id(text)
+    return f"<[{i}]>" if i is not None else json.dumps(text)
+
+
+def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
+    """A reply as (content, OpenAI tool_calls): each well-formed block calling a known function becomes a call;
+    what is left (blocks that are not calls included) is the content (None when empty and there are calls)."""
+    calls, rest, at = [], [], 0
+    for m in re.finditer(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), text, re.S):
+        call = _call(m.group(1), tools)
+        if call is None:
+            continue
+        rest.append(text[at:m.start()])
+        at = m.end()
+        calls.append(call)
+        if not tools.parallel:
+            break
+    rest.append(text[at:])
+    content = "".join(rest).strip() if calls else text
+    return (content or None) if calls else content, calls
+
+
+def _call(inner: str, tools: Tools) -> dict | None:
+    try:
+        obj = json.loads(inner)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tools.names:
+        return None
+    args = obj.get("arguments", {})
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+class StreamedCalls:
+    """A streamed reply split into content deltas and tool calls: text is passed on as it comes, except from
+    the start of a `<tool_call>` block (or what may be one) until its end, which is passed on as one call."""
+
+    def __init__(self, tools: Tools):
+        self.tools, self.buf, self.calls = tools, "", 0
+
+    def feed(self, text: str) -> list[str | dict]:
+        """What to send for a chunk: content strings and tool-call dicts (OpenAI's delta.tool_calls items)."""
+        self.buf += text
+        out = []
+        while self.buf:
+            i = self.buf.find(OPEN)
+            if i < 0:
+                keep = _partial(self.buf, OPEN)  # the end may begin a block
+                if len(self.buf) > keep:
+                    out.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                break
+            if i:
+                out.append(self.buf[:i])
+                self.buf = self.buf[i:]
+            j = self.buf.find(CLOSE)
+            if j < 0:
+                break  # inside a block: wait for its end
+            block, self.buf = self.buf[:j + len(CLOSE)], self.buf[j + len(CLOSE):]
+            call = _call(block[len(OPEN):-len(CLOSE)], self.tools) if self.calls == 0 or self.tools.parallel else None
+            if call is None:
+                out.append(block)
+            else:
+                out.append({"index": self.calls, **call})
+                self.calls += 1
+        return [x for x in out if x != ""]
+
+    def finish(self) -> list[str]:
+        """What is left at the end (an unfinished block is content)."""
+        rest, self.buf = self.buf, ""
+        return [rest] if rest else []
+
+
+def _partial(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

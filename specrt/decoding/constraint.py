@@ -1,0 +1,204 @@
+"""Constrained decoding: a request's grammar (a JSON schema, a regular expression, a Lark grammar) as the set
+of tokens allowed at each position, computed by llguidance (docs/drafting.md, "Structured output").
+
+Speculation stays exact under a constraint because every distribution the round compares is masked the
+same way: the target's logits at every verified position and the draft model's at every drafted one get
+-inf outside the tokens the grammar allows after the sequence so far, before warping. Verification then
+compares the constrained draft with the constrained target, and the output is distributed as constrained
+sampling from the target alone (greedy: token for token). A proposal that leaves the grammar is cut at its
+first forbidden token before the target pass; where the grammar allows one continuation only, its bytes are
+proposed at no draft cost (`forced`), and accepted with the target's probability like any draft.
+
+A `Constraint` holds one matcher at the committed sequence; asking for the mask after a drafted prefix
+advances it over the prefix (rolling back what no longer applies), so a round's drafting and verification
+share each position's mask.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specrt.config import Grammar
+from specrt.errors import ConfigError, PairError, first_line
+
+# JSON on one line with the separators models write (", " and ": "): every key, quote and separator of a
+# schema's output is then forced, and drafts for free (llguidance's default allows any whitespace there).
+# how llguidance writes a special token inside forced bytes
+_SPECIAL = re.compile(rb"\xff\[(\d+)\]")
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compiled(g: Grammar) -> str:
+    """The grammar in llguidance's form."""
+    import llguidance
+
+    if g.kind == "json_schema":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(g.source, defaults=JSON_STYLE)
+        except ValueError as e:
+            raise ConfigError(f"invalid JSON schema: {first_line(e)}", param=g.param) from None
+    if g.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(g.source)
+    return llguidance.grammar_from("grammar", g.source)
+
+
+def _one_line(err: str) -> str:
+    """llguidance's error (a message, then the source with a caret, then the cause) on one line."""
+    lines = [x.strip() for x in err.splitlines() if x.strip()]
+    cause = next((x for x in lines[1:] if x.lower().startswith("error:")), "")
+    return (lines[0].rstrip(":") + (f" ({cause})" if cause else ""))[:300] if lines else "rejected"
+
+
+class Grammars:
+    """A pair's compiler of request grammars: llguidance's view of the pair's tokenizer, built once on first
+    use (about a second for a 150k vocabulary) and shared by every request."""
+
+    def __init__(self, tokenizer_json: Path, vocab: int, eos_ids: Sequence[int]):
+        self.path, self.vocab, self.eos = Path(tokenizer_json), vocab, list(eos_ids)
+        self._tok, self._lock = None, threading.Lock()
+        self._compiled: dict[Grammar, str] = {}  # the latest grammars checked (a job's records share one)
+
+    @property
+    def tokenizer(self):
+        with self._lock:
+            if self._tok is None:
+                try:
+                    import llguidance
+                except ImportError:
+                    raise ConfigError("structured output needs the llguidance package: pip install llguidance") from None
+                try:
+                    self._tok = llguidance.LLTokenizer(self.path.read_text(encoding="utf-8"), n_vocab=self.vocab,
+                                                       eos_token=self.eos)
+                except Exception as e:  # the library's own error types
+                    raise PairError(f"llguidance cannot read {self.path}: {first_line(e)}") from None
+            return self._tok
+
+    def check(self, g: Grammar) -> str:
+        """The grammar compiled, or ConfigError naming what is wrong with it (before any decoding)."""
+        import llguidance
+
+        if g in self._compiled:
+            return self._compiled[g]
+        text = compiled(g)
+        err = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if err:
+            raise ConfigError(f"invalid {g.what}: {_one_line(err)}", param=g.param)
+        if len(self._compiled) >= 64:
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[g] = text
+        return text
+
+    def start(self, g: Grammar) -> Constraint:
+        """A request's matcher, at the start of its output."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self.tokenizer, self.check(g), log_level=0)
+        if m.is_error():
+            raise ConfigError(f"invalid {g.what}: {first_line(m.get_error())}", param=g.param)
+        return Constraint(m, self.tokenizer, self.vocab)
+
+
+class Constraint:
+    """One request's grammar state (module docstring). `allowed(drafted)`: the tokens the grammar allows after
+    the committed sequence and `drafted`; `commit(tokens)`: they are output."""
+
+    def __init__(self, matcher, tokenizer, vocab: int):
+        self.m, self.tok, self.vocab = matcher, tokenizer, vocab
+        self.path: list[int] = []  # tokens the matcher holds past the committed sequence (a draft)
+        self.masks: dict[tuple[int, ...], np.ndarray] = {}  # this round's, by drafted prefix
+        self.error = ""  # why the grammar cannot go on (a token it cannot follow: a bug, or its limits)
+        self.mask_s, self.masks_made = 0.0, 0  # what computing masks cost this request
+
+    @property
+    def complete(self) -> bool:
+        """The committed output is a complete match of the grammar."""
+        self._go(())
+        return self.m.is_accepting()
+
+    @property
+    def stopped(self) -> bool:
+        """The committed output is a complete match that nothing may extend: only EOS can follow."""
+        self._go(())
+        return self.m.is_stopped()
+
+    def _go(self, drafted: Sequence[int]) -> None:
+        """Move the matcher to the committed sequence + `drafted` (tokens the grammar allows there)."""
+        common = 0
+        for a, b in zip(self.path, drafted):
+            if a != b:
+                break
+            common += 1
+        if len(self.path) > common:
+            self.m.rollback(len(self.path) - common)
+            del self.path[common:]
+        for t in drafted[common:]:
+            if not self.m.consume_token(int(t)):
+                raise RuntimeError(f"the grammar matcher refused token {int(t)}: {first_line(self.m.get_error())}")
+            self.path.append(int(t))
+
+    def allowed(self, drafted: Sequence[int] = ()) -> np.ndarray | None:
+        """bool [vocab]: what may follow the committed sequence + `drafted` (None: `drafted` leaves the grammar)."""
+        key = tuple(int(t) for t in drafted)
+        if key in self.masks:
+            return self.masks[key]
+        if self.valid(key) < len(key):
+            return None
+        t0 = time.perf_counter()
+        self._go(key)
+        bits = np.frombuffer(self.m.compute_bitmask(), np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
+        if len(mask) < self.vocab:
+            mask = np.pad(mask, (0, self.vocab - len(mask)))
+        self.mask_s += time.perf_counter() - t0
+        self.masks_made += 1
+        if self.m.is_error():
+            self.error = first_line(self.m.get_error())
+        self.masks[key] = mask
+        return mask
+
+    def valid(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (a proposal) the grammar allows in a row after the committed sequence."""
+        self._go(())
+        return self.m.validate_tokens([int(t) for t in tokens]) if len(tokens) else 0
+
+    def cut(self, tokens: Sequence[int]) -> int:
+        """How many of a proposal's `tokens` may be verified: those the grammar allows in a row, up to the
+        first after which it allows nothing (a dead end: the target could not pick a token there)."""
+        n = self.valid(tokens)
+        for i in range(n):
+            if not self.allowed(tokens[:i + 1]).any():
+                return i
+        return n
+
+    def forced(self, limit: int) -> list[int]:
+        """Tokens that spell what the grammar allows as the only continuation of the committed sequence (at
+        most `limit`): the forced bytes, tokenized; cut where the grammar would not take the tokenization."""
+        if limit <= 0:
+            return []
+        self._go(())
+        b = self.m.compute_ff_bytes()
+        if not b:
+            return []
+        ids = []
+        for i, part in enumerate(_SPECIAL.split(b)):  # text, special token id, text, ...
+            ids += [int(part)] if i % 2 else (self.tok.tokenize_bytes(part) if part else [])
+        ids = ids[:limit]
+        return ids[:self.valid(ids)]
+
+    def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
+        """logits [k+1, V] of the positions after the committed sequence + drafted[:i], masked (a copy)."""
+        out = logits.copy()
+        for i in range(len(out)):
+            a = self.allowed(drafted[:i])
+            out[i, ~a[:out.shape[1]]] = -np.inf
+        return out
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """`tokens` follow the committed sequence (what a round emitted)."""
+        self._go(tokens)
+        self.path, self.masks = [], {}
