@@ -456,7 +456,8 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
                    seed: int | list[int] | None = None, draft_len: int | None = None, stop: str | list[str] | None = None,
                    chat: bool = False, drafter: str | None = None, confidence_stop: float | None = None,
                    draft_window: int | None = None, ngram_max: int | None = None, sampling: str | None = None,
-                   totals: dict | None = None) -> list:
+                   totals: dict | None = None, json_schema=None, regex: str | None = None, grammar=None,
+                   response_format: dict | None = None) -> list:
     """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
 
     Settings as `pair.generate`'s, but for `draft_len`: a batch's rows draft a fixed length (default: what
@@ -469,7 +470,8 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   draft_len=draft_len, stop=stop, drafter=drafter, confidence_stop=confidence_stop,
-                  draft_window=draft_window, ngram_max=ngram_max, sampling=sampling)
+                  draft_window=draft_window, ngram_max=ngram_max, sampling=sampling, json_schema=json_schema,
+                  regex=regex, grammar=grammar, response_format=response_format)
     reqs = []
     with BatchDecoder(pair, batch_size) as dec:
         for i, (p, s) in enumerate(zip(prompts, seeds)):

@@ -461,16 +461,18 @@ class Decoder:
 
 def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationConfig, vocab: int,
            eos_ids: frozenset[int], on_tokens: Callable[[list[int]], bool] | None = None,
-           prompt_cache: PromptCache | None = None) -> tuple[list[int], str, Stats]:
+           prompt_cache: PromptCache | None = None, constraint: Constraint | None = None) -> tuple[list[int], str, Stats]:
     """One request alone on batch-1 engines: the target, and the draft model's that `policy` drafts with.
     Returns (tokens, finish reason "eos" | "length" | "stop", stats).
 
     `on_tokens(new)` sees each round's emitted tokens (EOS excluded) and returns True to stop. Only the
     first `vocab` logits are used, which masks padding rows of larger output matrices. `prompt_cache`:
     what the target's cache kept of earlier prompts (decoding/prefix.py; None: the prompt is read whole).
+    `constraint`: the request's grammar state (cfg.grammar then names it; `policy` drafts its forced tokens
+    when built with it).
     """
     model = getattr(policy, "model", None)
     dec = Decoder(Single(target, prompt_cache), lambda: Single(model.engine), vocab, eos_ids, lambda r, c, g: policy,
-                  text=lambda stop: TokenStream(on_tokens))
+                  text=lambda stop: TokenStream(on_tokens), constrain=lambda g: constraint)
     row, = dec.finished([Request(0, prompt, cfg)])
     return row.result.tokens, row.result.finish_reason, row.stats
