@@ -1,7 +1,8 @@
 """The A/B tool: variants of the drafting settings, priced, over the shipped prompts, in one process.
 
     python bench/ab.py PAIR_DIR [--repeats N] [--frozen] [--table FILE] [--json OUT] [--limit N]
-        [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] [--sampling OVERRIDES] VARIANT=OVERRIDES ...
+        [--prompts FILE,FILE] [--max-new-tokens 128] [--threads N] [--sampling OVERRIDES] [--structured on|off]
+        VARIANT=OVERRIDES ...
 
 A variant is a name and comma-separated overrides of GenerationConfig fields (draft_len, drafter,
 draft_window, confidence_stop, ngram_max, ...), SamplingConfig fields (temperature, top_k, top_p, method)
@@ -145,6 +146,29 @@ def priced_run(pair, meter: Meter, state: PolicyState, config: PolicyConfig, ids
     return stats
 
 
+def structured_prompts(paths: list[Path], pair, constrained: bool):
+    """Structured-output records ({"id", "class", "messages", and "json_schema" | "regex" | "grammar" |
+    "response_format", or "tools" and "tool_choice"}): (prompts, {id: its Grammar, when `constrained`}), each
+    prompt rendered with its tools as the server renders them."""
+    from specrt.api import requests
+    from specrt.apps.bench import Prompt
+    from specrt.apps.serve.tools import tools_of
+
+    plist, grammars = [], {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            tools = tools_of(rec, pair.codec)
+            ids = requests.prompt_ids(pair.codec, pair.manifest.vocab_size, messages=rec["messages"],
+                                      tools=tools.render if tools else None)
+            plist.append(Prompt(str(rec["id"]), ids, str(rec.get("class", "default"))))
+            g = tools.grammar if tools else requests.parse(rec).get("grammar")
+            if constrained and g is not None:
+                pair.grammars.check(g)
+                grammars[plist[-1].id] = g
+    return plist, grammars
+
+
 def parse_variant(text: str, sampling: dict | None = None) -> tuple[str, dict, PolicyConfig]:
     """"name=field=value,field=value" -> (name, GenerationConfig overrides, PolicyConfig). `sampling`: the
     SamplingConfig fields a variant's own override."""
@@ -188,6 +212,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, help="onnxruntime threads (priced times do not depend on them)")
     ap.add_argument("--sampling", default="", help="SamplingConfig fields of every variant: temperature=0.7,top_p=0.95")
+    ap.add_argument("--structured", choices=["on", "off"],
+                    help="the prompts are structured-output records (bench/prompts/structured.jsonl): every request "
+                         "constrained by its record's json_schema, regex, grammar or tools (on), or the same prompts "
+                         "unconstrained (off)")
     a = ap.parse_args(argv)
     sampling = parse_variant("sampling=" + a.sampling)[1].get("sampling")
     base = dataclasses.asdict(sampling) if sampling else {}
@@ -196,7 +224,11 @@ def main(argv=None) -> dict:
         name, gen, auto = parse_variant(text, base)
         variants[name] = (gen, auto)
     pair = specrt.load(a.pair_dir, threads=a.threads)
-    plist = read_prompts([Path(f) for f in a.prompts.split(",")], pair, a.limit)
+    if a.structured:
+        plist, grammars = structured_prompts([Path(f) for f in a.prompts.split(",")], pair, a.structured == "on")
+        plist = plist[:a.limit]
+    else:
+        plist, grammars = read_prompts([Path(f) for f in a.prompts.split(",")], pair, a.limit), {}
     meter = Meter(pair, a.table)
     print("priced pass times (ms) by width", {n: dict(zip(Meter.WIDTHS, (round(x * 1e3, 2) for x in t)))
                                                for n, t in meter.table.items() if n != "pattern"}, flush=True)
@@ -208,7 +240,8 @@ def main(argv=None) -> dict:
 
     def run(v, p, n, shared=0):
         gen, auto = variants[v]
-        return priced_run(pair, meter, state[v], auto, p.ids, pair.config(max_new_tokens=n, **gen), shared)
+        cfg = pair.config(max_new_tokens=n, grammar=grammars.get(p.id), **gen)
+        return priced_run(pair, meter, state[v], auto, p.ids, cfg, shared)
 
     for v in variants:
         run(v, plist[0], a.max_new_tokens // 2)

@@ -454,3 +454,15 @@ def test_bad_structured_requests_are_400_naming_the_field(server, body, param):
     assert err["param"] == param and err["message"] and "Traceback" not in r.text
     r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "max_tokens": 4, "tools": PICK})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_a_draft_that_ends_the_output_leaves_the_grammar_where_the_output_ends(same_pair):
+    # the draft is the target: it drafts the end (EOS) too, which the grammar state must never take in (its
+    # matcher does not roll back past an end)
+    for constraint in ({"regex": "(yes|no)"}, {"json_schema": SCHEMA}):
+        for prompt in PROMPTS:
+            alone = same_pair.generate(prompt, max_new_tokens=80, draft_len=0, **constraint)
+            for k in (4, "auto"):
+                r = same_pair.generate(prompt, max_new_tokens=80, draft_len=k, drafter="model", **constraint)
+                assert r.tokens == alone.tokens and r.finish_reason == alone.finish_reason == "eos"
+                assert r.stats["grammar_complete"] is True

@@ -109,6 +109,7 @@ class Constraint:
 
     def __init__(self, matcher, tokenizer, vocab: int):
         self.m, self.tok, self.vocab = matcher, tokenizer, vocab
+        self.eos = frozenset(getattr(tokenizer, "eos_tokens", ()))
         self.path: list[int] = []  # tokens the matcher holds past the committed sequence (a draft)
         self.masks: dict[tuple[int, ...], np.ndarray] = {}  # this round's, by drafted prefix
         self.error = ""  # why the grammar cannot go on (a token it cannot follow: a bug, or its limits)
@@ -134,7 +135,8 @@ class Constraint:
                 break
             common += 1
         if len(self.path) > common:
-            self.m.rollback(len(self.path) - common)
+            if not self.m.rollback(len(self.path) - common):
+                raise RuntimeError(f"the grammar matcher cannot roll back: {first_line(self.m.get_error())}")
             del self.path[common:]
         for t in drafted[common:]:
             if not self.m.consume_token(int(t)):
@@ -146,6 +148,8 @@ class Constraint:
         key = tuple(int(t) for t in drafted)
         if key in self.masks:
             return self.masks[key]
+        if self.eos.intersection(key):  # nothing follows an end (and the matcher does not roll back past one)
+            return np.zeros(self.vocab, bool)
         if self.valid(key) < len(key):
             return None
         t0 = time.perf_counter()
