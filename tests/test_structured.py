@@ -39,6 +39,11 @@ class FakeMatcher:
         del self.seq[len(self.seq) - n:]
         return True
 
+    def deep_copy(self):
+        m = FakeMatcher(self.rule, self.V, 0)
+        m.seq = list(self.seq)
+        return m
+
     def validate_tokens(self, tokens):
         prev, n = self.seq[-1], 0
         for t in tokens:
@@ -157,6 +162,15 @@ def test_a_lookup_proposal_that_leaves_the_grammar_is_cut_before_the_target_pass
     g = GenerationConfig(max_new_tokens=12, draft_len=4, grammar=Grammar("regex", "fake"))
     out, _, _ = decode(target, policy, prompt, g, V, frozenset(), constraint=policy.forced.constraint)
     assert all(b in rule(a) for a, b in zip(prompt[-1:] + out, out))
+
+
+def test_a_grammar_limit_met_while_decoding_ends_the_request_with_length_and_says_why(qwen_pair):
+    # 3000 optional keys: the parser's row limit is met at the first key (llguidance's bound on its work)
+    many = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(3000)}}
+    for k in (0, 4):
+        r = qwen_pair.generate(PROMPTS[0], max_new_tokens=20, draft_len=k, drafter="model", json_schema=many)
+        assert r.finish_reason == "length" and "max is 2000" in r.stats["grammar_error"]
+        assert r.stats["grammar_complete"] is False
 
 
 def test_a_grammar_that_allows_nothing_ends_the_request_with_length_and_says_why():
@@ -281,15 +295,17 @@ def test_batch_records_take_their_own_constraint_or_the_jobs(qwen_dir, tmp_path)
         {"id": 1, "prompt": PROMPTS[0]},
         {"id": 2, "prompt": PROMPTS[1], "regex": "(yes|no)"},
         {"id": 3, "prompt": PROMPTS[2], "json_schema": {"type": "strin"}},
-        {"id": 4, "prompt": PROMPTS[2], "response_format": {"type": "json_object"}, "max_new_tokens": 4},
+        {"id": 4, "prompt": PROMPTS[2], "response_format": {"type": "json_object"}},
+        {"id": 5, "prompt": PROMPTS[2], "regex": "[a-z]{40}", "max_new_tokens": 4},
     ]) + "\n")
     r = cli("batch", str(qwen_dir), "--input", str(inp), "--output", str(out), "--json-schema", str(schema),
             "--max-new-tokens", "80", "--no-progress", "--batch-size", "2")
     assert r.exit_code == 0, r.output
     got = {rec["id"]: rec for rec in map(json.loads, out.read_text().splitlines())}
     assert _valid(got[1]["text"]) and got[2]["text"] in ("yes", "no")
-    assert "invalid JSON schema" in got[3]["error"] and got[4]["text"].startswith("{")
-    assert got[4]["stats"]["grammar_complete"] is False
+    assert "invalid JSON schema" in got[3]["error"] and isinstance(json.loads(got[4]["text"]), dict)
+    assert got[4]["text"].startswith("{") and got[4]["stats"]["grammar_complete"] is True
+    assert got[5]["finish_reason"] == "length" and got[5]["stats"]["grammar_complete"] is False
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "strin"}')
     r = cli("batch", str(qwen_dir), "--input", str(inp), "--output", str(tmp_path / "o2.jsonl"), "--json-schema", str(bad))

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import socket
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -13,6 +14,7 @@ import click
 
 from specrt.cli.common import BadInput, batch_size_value, device_option, draft_len_value, errors, load_pair
 from specrt.config import HISTORY_CAP
+from specrt.errors import SpecrtError
 
 
 def _loopback(host: str) -> bool:
@@ -135,6 +137,9 @@ def serve(pair_dir, device, host, port, api_key, model_name, allow_hosts, cors_o
         raise BadInput(f"--drafter {drafter} needs the draft model, which --no-draft-model leaves out")
     with load_pair(pair_dir, device, history=history, history_cap=history_cap, share_prefix=history,
                    draft_model=draft_model) as pair:
+        # the grammar library's view of the tokenizer (about a second) is built now, beside the start, not in
+        # the first structured request
+        threading.Thread(target=_warm_grammars, args=(pair,), name="specrt-grammars", daemon=True).start()
         sizes = [batch_size] if batch_size != "auto" else [4, 2, 1]
         for b in sizes:
             try:
@@ -161,3 +166,10 @@ def serve(pair_dir, device, host, port, api_key, model_name, allow_hosts, cors_o
                        f"{', key required' if api_key else ''})", err=True)
 
         run_server(pair, scheduler, settings, sock, on_ready=ready)
+
+
+def _warm_grammars(pair) -> None:
+    try:
+        pair.grammars.tokenizer
+    except SpecrtError:  # said again, as a 400, to the first request that needs it
+        pass

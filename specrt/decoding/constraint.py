@@ -105,70 +105,74 @@ class Grammars:
 
 class Constraint:
     """One request's grammar state (module docstring). `allowed(drafted)`: the tokens the grammar allows after
-    the committed sequence and `drafted`; `commit(tokens)`: they are output."""
+    the committed sequence and `drafted`; `commit(tokens)`: they are output.
+
+    The matcher of the committed sequence takes only committed tokens; drafts go into a copy of it (a few
+    microseconds), rolled back and forth within a round: llguidance's error state is permanent (its parser
+    limits can be met at any token), so a draft that meets one only ends that draft, and a committed token
+    that meets one ends the request (`error`)."""
 
     def __init__(self, matcher, tokenizer, vocab: int):
         self.m, self.tok, self.vocab = matcher, tokenizer, vocab
         self.eos = frozenset(getattr(tokenizer, "eos_tokens", ()))
-        self.path: list[int] = []  # tokens the matcher holds past the committed sequence (a draft)
+        self.d, self.path = None, []  # the drafts' matcher and the tokens it holds past the committed sequence
         self.masks: dict[tuple[int, ...], np.ndarray] = {}  # this round's, by drafted prefix
-        self.error = ""  # why the grammar cannot go on (a token it cannot follow: a bug, or its limits)
+        self.error = ""  # why the grammar cannot go on after the committed sequence (a parser limit met)
         self.mask_s, self.masks_made = 0.0, 0  # what computing masks cost this request
 
     @property
     def complete(self) -> bool:
         """The committed output is a complete match of the grammar."""
-        self._go(())
-        return self.m.is_accepting()
+        return not self.error and self.m.is_accepting()
 
     @property
     def stopped(self) -> bool:
         """The committed output is a complete match that nothing may extend: only EOS can follow."""
-        self._go(())
-        return self.m.is_stopped()
+        return not self.error and self.m.is_stopped()
 
-    def _go(self, drafted: Sequence[int]) -> None:
-        """Move the matcher to the committed sequence + `drafted` (tokens the grammar allows there)."""
+    def _go(self, drafted: tuple[int, ...]) -> bool:
+        """The drafts' matcher at the committed sequence + `drafted` (False: the grammar met a limit there)."""
+        if self.d is None:
+            self.d, self.path = self.m.deep_copy(), []
         common = 0
         for a, b in zip(self.path, drafted):
             if a != b:
                 break
             common += 1
         if len(self.path) > common:
-            if not self.m.rollback(len(self.path) - common):
-                raise RuntimeError(f"the grammar matcher cannot roll back: {first_line(self.m.get_error())}")
-            del self.path[common:]
+            if self.d.rollback(len(self.path) - common):
+                del self.path[common:]
+            else:  # start over from the committed sequence
+                self.d, self.path, common = self.m.deep_copy(), [], 0
         for t in drafted[common:]:
-            if not self.m.consume_token(int(t)):
-                raise RuntimeError(f"the grammar matcher refused token {int(t)}: {first_line(self.m.get_error())}")
-            self.path.append(int(t))
+            if not self.d.consume_token(t):
+                self.d = None
+                return False
+            self.path.append(t)
+        return True
 
     def allowed(self, drafted: Sequence[int] = ()) -> np.ndarray | None:
         """bool [vocab]: what may follow the committed sequence + `drafted` (None: `drafted` leaves the grammar)."""
         key = tuple(int(t) for t in drafted)
         if key in self.masks:
             return self.masks[key]
-        if self.eos.intersection(key):  # nothing follows an end (and the matcher does not roll back past one)
+        if self.error or self.eos.intersection(key):  # nothing follows an end (nor can a matcher roll back past one)
             return np.zeros(self.vocab, bool)
         if self.valid(key) < len(key):
             return None
         t0 = time.perf_counter()
-        self._go(key)
-        bits = np.frombuffer(self.m.compute_bitmask(), np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
-        if len(mask) < self.vocab:
-            mask = np.pad(mask, (0, self.vocab - len(mask)))
+        mask = np.zeros(self.vocab, bool)
+        if self._go(key):
+            bits = np.unpackbits(np.frombuffer(self.d.compute_bitmask(), np.uint8), bitorder="little")
+            mask[:min(len(bits), self.vocab)] = bits[:self.vocab]
         self.mask_s += time.perf_counter() - t0
         self.masks_made += 1
-        if self.m.is_error():
-            self.error = first_line(self.m.get_error())
         self.masks[key] = mask
         return mask
 
     def valid(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a proposal) the grammar allows in a row after the committed sequence."""
-        self._go(())
-        return self.m.validate_tokens([int(t) for t in tokens]) if len(tokens) else 0
+        return self.m.validate_tokens([int(t) for t in tokens]) if len(tokens) and not self.error else 0
 
     def cut(self, tokens: Sequence[int]) -> int:
         """How many of a proposal's `tokens` may be verified: those the grammar allows in a row, up to the
@@ -182,9 +186,8 @@ class Constraint:
     def forced(self, limit: int) -> list[int]:
         """Tokens that spell what the grammar allows as the only continuation of the committed sequence (at
         most `limit`): the forced bytes, tokenized; cut where the grammar would not take the tokenization."""
-        if limit <= 0:
+        if limit <= 0 or self.error:
             return []
-        self._go(())
         b = self.m.compute_ff_bytes()
         if not b:
             return []
@@ -204,5 +207,7 @@ class Constraint:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """`tokens` follow the committed sequence (what a round emitted)."""
-        self._go(tokens)
-        self.path, self.masks = [], {}
+        for t in tokens:
+            if not self.error and not self.m.consume_token(int(t)):
+                self.error = f"the grammar cannot go on: {first_line(self.m.get_error())}"
+        self.d, self.path, self.masks = None, [], {}
