@@ -236,10 +236,12 @@ def test_coupled_sampling_under_a_constraint_is_the_target_only_sample(qwen_pair
 def test_batch_rows_under_constraints_equal_requests_alone(qwen_pair):
     from specrt.api.pair import generate_batch
 
-    kw = dict(max_new_tokens=60, draft_len=3, drafter="model")
-    rows = generate_batch(qwen_pair, PROMPTS * 2, batch_size=3, json_schema=SCHEMA, **kw)
-    for p, row in zip(PROMPTS * 2, rows):
-        assert row.tokens == qwen_pair.generate(p, json_schema=SCHEMA, **kw).tokens and _valid(row.text)
+    alone = {p: qwen_pair.generate(p, max_new_tokens=60, draft_len=0, json_schema=SCHEMA).tokens for p in PROMPTS}
+    for drafter, k in (("model", 3), ("ngram", 2), ("hybrid", "auto")):
+        kw = dict(max_new_tokens=60, draft_len=k, drafter=drafter)
+        rows = generate_batch(qwen_pair, PROMPTS * 2, batch_size=3, json_schema=SCHEMA, **kw)
+        for p, row in zip(PROMPTS * 2, rows):
+            assert row.tokens == alone[p] and _valid(row.text), (drafter, k)
 
 
 def test_max_new_tokens_before_the_grammar_ends_is_length_and_said(qwen_pair):
@@ -330,6 +332,26 @@ def test_a_reply_is_parsed_into_tool_calls_and_content():
     assert parse("no calls here", _tools()) == ("no calls here", [])
     two = '<tool_call>{"name": "get", "arguments": {}}</tool_call><tool_call>{"name": "put", "arguments": {}}</tool_call>'
     assert len(parse(two, _tools())[1]) == 2 and len(parse(two, _tools(parallel=False))[1]) == 1
+    # a reply that is one call's JSON alone, bare or fenced, is a call (how the default pair's model answers)
+    for bare in ('```json\n{"name": "put", "arguments": {"a": [1]}}\n```', ' {"name": "get", "arguments": {}}'):
+        content, calls = parse(bare, _tools())
+        assert content is None and [c["function"]["name"] for c in calls] == [bare.count("put") and "put" or "get"]
+    assert parse('{"name": "other"}', _tools()) == ('{"name": "other"}', [])
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 11])
+def test_a_streamed_bare_call_is_held_to_its_end(cut):
+    from specrt.apps.serve.tools import StreamedCalls
+
+    for text, n_calls, content in (('```json\n{"name": "get", "arguments": {"k": 2}}\n```', 1, ""),
+                                   ('{"a": 1} is not a call', 0, '{"a": 1} is not a call'),
+                                   ("plain text", 0, "plain text")):
+        s, items = StreamedCalls(_tools()), []
+        for i in range(0, len(text), cut):
+            items += s.feed(text[i:i + cut])
+        items += s.finish()
+        assert "".join(x for x in items if isinstance(x, str)) == content
+        assert len([x for x in items if isinstance(x, dict)]) == n_calls
 
 
 @pytest.mark.parametrize("cut", [1, 3, 7, 11])

@@ -525,17 +525,19 @@ class _Shape:
 
     def deltas(self, text: str) -> list[dict]:
         """The chunks of a piece of streamed text: content, or (with tools) whole tool calls."""
-        if self.calls is None:
-            return [self.delta(text)]
+        return [self.delta(text)] if self.calls is None else self._chunks(self.calls.feed(text))
+
+    def _chunks(self, items: list) -> list[dict]:
+        """Chunks of content strings and tool calls (StreamedCalls' items)."""
         return [self.delta(x) if isinstance(x, str) else self._obj(
             [{"index": 0, "delta": {"tool_calls": [x]}, "logprobs": None, "finish_reason": None}], True)
-            for x in self.calls.feed(text)]
+            for x in items]
 
     def last(self, res, with_usage: bool) -> list[dict]:
         fr = FINISH.get(res.finish_reason, res.finish_reason)
         out = []
         if self.calls is not None:
-            out += [self.delta(x) for x in self.calls.finish()]
+            out += self._chunks(self.calls.finish())
             fr = "tool_calls" if self.calls.calls and fr == "stop" else fr
         end = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": fr} if self.chat else \
             {"index": 0, "text": "", "logprobs": None, "finish_reason": fr}

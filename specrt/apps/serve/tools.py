@@ -79,12 +79,13 @@ def tools_of(body: dict, codec) -> Tools | None:
 
 
 def calls_grammar(functions: dict[str, dict], many: bool, codec) -> str:
-    """A Lark grammar (llguidance's) of one tool call block, or of several (`many`), of these functions."""
+    """A Lark grammar (llguidance's) of one tool call block, or of several (`many`), of these functions; a
+    newline may end it (the blocks' own separator, after which the model may still end)."""
     one = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
                       "required": ["name", "arguments"], "additionalProperties": False}
                      for n, p in functions.items()], "x-guidance": JSON_STYLE}
     nl = json.dumps("\n")  # a newline as the grammar spells it
-    return "\n".join([f"start: call ({nl} call)*" if many else "start: call",
+    return "\n".join([f"start: call ({nl} call)* {nl}?" if many else f"start: call {nl}?",
                       f"call: {_token(codec, OPEN)} {nl} body {nl} {_token(codec, CLOSE)}",
                       f"body: %json {json.dumps(one)}", ""])
 
@@ -110,8 +111,21 @@ def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
         if not tools.parallel:
             break
     rest.append(text[at:])
+    if not calls and (call := _bare(text, tools)) is not None:
+        return None, [call]
     content = "".join(rest).strip() if calls else text
     return (content or None) if calls else content, calls
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+def _bare(text: str, tools: Tools) -> dict | None:
+    """A reply that is nothing but one call's JSON, bare or in a ```json fence (how some models, the default
+    pair's Qwen2.5-Coder among them, answer when the choice is theirs), as a call."""
+    s = text.strip()
+    m = _FENCE.match(s)
+    return _call(m.group(1) if m else s, tools) if m or s.startswith("{") else None
 
 
 def _call(inner: str, tools: Tools) -> dict | None:
@@ -128,13 +142,22 @@ def _call(inner: str, tools: Tools) -> dict | None:
 
 class StreamedCalls:
     """A streamed reply split into content deltas and tool calls: text is passed on as it comes, except from
-    the start of a `<tool_call>` block (or what may be one) until its end, which is passed on as one call."""
+    the start of a `<tool_call>` block (or what may be one) until its end, which is passed on as one call,
+    and a reply that may be one bare call, held to its end."""
 
     def __init__(self, tools: Tools):
         self.tools, self.buf, self.calls = tools, "", 0
+        self.held = ""  # the reply so far while it may be one bare call (`_bare`): sent at its end
+        self.holding = True
 
     def feed(self, text: str) -> list[str | dict]:
         """What to send for a chunk: content strings and tool-call dicts (OpenAI's delta.tool_calls items)."""
+        if self.holding:
+            self.held += text
+            s = self.held.lstrip()
+            if not s or s.startswith(("{", "```")) or "```".startswith(s):
+                return []
+            self.holding, text, self.held = False, self.held, ""
         self.buf += text
         out = []
         while self.buf:
@@ -160,8 +183,16 @@ class StreamedCalls:
                 self.calls += 1
         return [x for x in out if x != ""]
 
-    def finish(self) -> list[str]:
+    def finish(self) -> list[str | dict]:
         """What is left at the end (an unfinished block is content)."""
+        if self.holding and self.held:
+            content, calls = parse(self.held, self.tools)
+            self.held = ""
+            out = [content] if content else []
+            for c in calls:
+                out.append({"index": self.calls, **c})
+                self.calls += 1
+            return out
         rest, self.buf = self.buf, ""
         return [rest] if rest else []
 
