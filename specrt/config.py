@@ -74,6 +74,11 @@ class Grammar:
             raise ConfigError(f"unknown grammar kind {self.kind!r}; choose one of {', '.join(GRAMMARS)}", param="grammar")
         if not isinstance(self.source, str) or not self.source.strip():
             raise ConfigError(f"the {self.what} is empty", param=self.param)
+        try:
+            self.source.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"the {self.what} is not valid text: character {e.start} is a lone surrogate",
+                              param=self.param) from None
 
     @property
     def param(self) -> str:

@@ -365,7 +365,9 @@ def test_openai_no_op_values_and_model_retrieve(server):
             "response_format": {"type": "text"}}
     assert _post(server, "/v1/chat/completions", body).status_code == 200
     assert _post(server, "/v1/chat/completions", {**body, "logprobs": True}).status_code == 400
-    assert _post(server, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"}}).status_code == 400
+    assert _post(server, "/v1/chat/completions", {**body, "functions": [{"name": "f"}]}).status_code == 400
+    assert _post(server, "/v1/chat/completions", {**body, "response_format": {"type": "json_object"},
+                                                  "max_tokens": 8}).json()["choices"][0]["message"]["content"][0] == "{"
     assert c.models.retrieve("pair-qwen2").id == "pair-qwen2"
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("other")
@@ -475,7 +477,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | HUG
                     st.dictionaries(_text(6), inner, max_size=3), max_leaves=8)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
           "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "response_format", "logit_bias",
-          "frequency_penalty", "presence_penalty", "echo", "best_of", "suffix", "draft_len", "drafter", "tools", "user"]
+          "frequency_penalty", "presence_penalty", "echo", "best_of", "suffix", "draft_len", "drafter", "tools", "user",
+          "tool_choice", "parallel_tool_calls", "json_schema", "regex", "grammar"]
 GOODISH = {"prompt": _text(20, min_size=1) | st.lists(st.integers(0, 400), min_size=1, max_size=5),
            "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | _text(8),
                                                        "content": _text(20)}), min_size=1, max_size=2),

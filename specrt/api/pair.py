@@ -25,7 +25,8 @@ from specrt.api import memory, requests
 from specrt.api.text import TextCodec, TextStream
 from specrt.config import HISTORY_CAP, GenerationConfig
 from specrt.decoding.batch import BatchDecoder
-from specrt.decoding.constraint import Constraint, Grammars
+from specrt.api.grammars import Grammars
+from specrt.decoding.constraint import Constraint
 from specrt.decoding.decode import Decoder, Request, Result, Single
 from specrt.decoding.policy import CostModel, PolicyConfig, PolicyState, build
 from specrt.decoding.prefix import PromptCache

@@ -55,10 +55,10 @@ from typing import Any
 
 from specrt.api import requests
 from specrt.api.pair import load
+from specrt.api.grammars import Grammars
 from specrt.api.text import TextCodec, check_text
 from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, GenerationConfig, needs_draft_model
 from specrt.decoding.batch import BatchDecoder, Request
-from specrt.decoding.constraint import Grammars
 from specrt.decoding.proposers import History
 from specrt.errors import ConfigError, SpecrtError, first_line
 from specrt.manifest import read_manifest, sha256_file

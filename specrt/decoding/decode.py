@@ -234,7 +234,7 @@ class Decoder:
     `draft()` on first need: a target-only run allocates no draft cache). `policy(r, cfg, constraint)` builds
     a request's policy and proposers for row r; `text(stop)` its text stream (None: no text, TokenStream);
     `history`: where every finished request's output goes (the suffix proposer drafts from it);
-    `constrain(grammar)`: a constrained request's Constraint (decoding/constraint.Grammars.start)."""
+    `constrain(grammar)`: a constrained request's Constraint (api/grammars.Grammars.start)."""
 
     def __init__(self, target: Rows, draft: Callable[[], Rows], vocab: int, eos_ids: frozenset[int],
                  policy: Callable[[int, GenerationConfig, Constraint | None], Policy],

@@ -15,9 +15,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from specrt.api.grammars import JSON_STYLE
 from specrt.api.requests import RequestError
 from specrt.config import Grammar
-from specrt.decoding.constraint import JSON_STYLE
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
