@@ -201,3 +201,17 @@ def test_mismatched_draft_script_and_guard(vocab_dir, vocab_pair, tmp_path):
     r = subprocess.run([sys.executable, str(script), str(dst / "nowhere"), str(tmp_path / "x")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("regex", ["[ぁ-ん]{4}", "(ñ|é|ü|ß|ø|Ω|中){6}"])
+def test_a_constraint_the_draft_vocabulary_cannot_spell_drafts_nothing_there_and_stays_exact(vocab_pair, regex):
+    # the restricted draft vocabulary lacks most non-ASCII bytes: where the grammar allows only tokens it lacks,
+    # its draft stops there instead of drafting from a distribution without mass (NaN)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+            alone = vocab_pair.generate("hello", max_new_tokens=30, draft_len=0, regex=regex, **kw)
+            r = vocab_pair.generate("hello", max_new_tokens=30, draft_len=3, drafter="model", regex=regex, **kw)
+            assert r.tokens == alone.tokens and r.stats["grammar_complete"]

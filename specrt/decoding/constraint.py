@@ -9,9 +9,9 @@ sampling from the target alone (greedy: token for token). A proposal that leaves
 first forbidden token before the target pass; where the grammar allows one continuation only, its bytes are
 proposed at no draft cost (`forced`), and accepted with the target's probability like any draft.
 
-A `Constraint` holds one matcher (llguidance's `LLMatcher`, made by api/grammars.py) at the committed sequence; asking for the mask after a drafted prefix
-advances it over the prefix (rolling back what no longer applies), so a round's drafting and verification
-share each position's mask.
+A `Constraint` holds the matcher of the committed sequence (llguidance's `LLMatcher`, made by
+api/grammars.py) and a copy that a round's drafts go into; the mask after each drafted prefix is computed
+once a round, and drafting and verification share it.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class Constraint:
         self.d, self.path = None, []  # the drafts' matcher and the tokens it holds past the committed sequence
         self.masks: dict[tuple[int, ...], np.ndarray] = {}  # this round's, by drafted prefix
         self.error = ""  # why the grammar cannot go on after the committed sequence (a parser limit met)
-        self.mask_s, self.masks_made = 0.0, 0  # what computing masks cost this request
+        self.mask_s = 0.0  # what computing masks cost this request
 
     @property
     def complete(self) -> bool:
@@ -90,7 +90,6 @@ class Constraint:
             bits = np.unpackbits(np.frombuffer(self.d.compute_bitmask(), np.uint8), bitorder="little")
             mask[:min(len(bits), self.vocab)] = bits[:self.vocab]
         self.mask_s += time.perf_counter() - t0
-        self.masks_made += 1
         self.masks[key] = mask
         return mask
 

@@ -203,14 +203,15 @@ class ModelProposer:
         self.fresh = False
         if self.memory is not None:  # the live sequence: its committed tokens from `off` on are what the slots hold
             self.memory.seq, self.memory.off = seq, self.off
-        d, p = [], None if cfg.greedy else []
+        d, p, passes = [], None if cfg.greedy else [], 0
         for _ in range(k):
             rows = yield feed  # [W]
+            passes += 1
             allowed = constraint.allowed(d) if constraint is not None else None
             if allowed is not None:
                 rows = expand_logits(rows, self.ids, self.vocab)
                 rows[~allowed] = -np.inf
-                if not allowed.any():
+                if rows.max() == -np.inf:  # nothing the grammar allows is in the draft's vocabulary
                     break
             ids = None if allowed is not None else self.ids
             if p is None:
@@ -222,7 +223,7 @@ class ModelProposer:
             feed = [t]
             if top < confidence_stop:
                 break
-        return Proposal(np.array(d, np.int64), None if p is None else np.stack(p), passes=len(d))
+        return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
                 confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Proposal:
