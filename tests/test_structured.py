@@ -113,8 +113,8 @@ def _fake_run(target, draft, prompt, g, k, V=5, auto=False, forced=True):
     return decode(target, policy, prompt, g, V, frozenset(), constraint=c)
 
 
-@pytest.mark.parametrize("method", ["rejection", "coupled"])
-def test_constrained_speculation_is_lossless_on_fake_engines(method):
+@pytest.mark.parametrize("method, auto", [("rejection", False), ("coupled", False), ("rejection", True)])
+def test_constrained_speculation_is_lossless_on_fake_engines(method, auto):
     V, prompt = 5, [1, 2]
     cfg = SamplingConfig(1.0, method=method)
     target = FakeEngine(0, V)
@@ -124,7 +124,7 @@ def test_constrained_speculation_is_lossless_on_fake_engines(method):
     forced = acc = prop = 0
     for seed in range(4000):
         g = GenerationConfig(max_new_tokens=6, draft_len=3, seed=seed, sampling=cfg, grammar=Grammar("regex", "fake"))
-        out, reason, st = _fake_run(target, draft, prompt, g, 3)
+        out, reason, st = _fake_run(target, draft, prompt, g, 3, auto=auto)
         assert len(out) == 6 and reason == "length"
         assert all(b in rule(a) for a, b in zip(prompt[-1:] + out, out))  # every token the grammar's
         obs[sequence_index(out[:3], V)] += 1
