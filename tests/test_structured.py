@@ -130,7 +130,7 @@ def test_constrained_speculation_is_lossless_on_fake_engines(method, auto):
         obs[sequence_index(out[:3], V)] += 1
         forced += st.rounds_by_drafter.get("grammar", 0)
         acc, prop = acc + st.accepted, prop + st.proposed
-    assert forced >= 10 and 0.2 < acc / prop < 0.95  # the grammar drafted, and the draft model is another model
+    assert forced >= 10 and 0.2 < acc / prop < 0.99  # the grammar drafted, and some drafts were rejected
     p = chi2_pvalue(obs, exact)
     assert p > P_MIN, f"p={p:.2e}"
 
