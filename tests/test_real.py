@@ -76,3 +76,25 @@ def test_int4_greedy_divergence_is_numerical(int4_pair, rec):
     elif not res["equal"]:
         print(f"{rec['id']}: int4 (accuracy level {level}) diverges at token {res['index']}, margin {res['margin']:.4f}")
         assert abs(res["margin"]) < (0.05 if level == 0 else 1.0)
+
+
+STRUCTURED = [json.loads(line) for line in (ROOT / "bench/prompts/structured.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("rec", STRUCTURED, ids=[r["id"] for r in STRUCTURED])
+def test_int4_structured_output_equals_constrained_target_only_and_parses(int4_pair, rec):
+    from specrt.api import requests
+    from specrt.apps.serve.tools import parse, tools_of
+
+    tools = tools_of(rec, int4_pair.codec)
+    ids = requests.prompt_ids(int4_pair.codec, int4_pair.manifest.vocab_size, messages=rec["messages"],
+                              tools=tools.render if tools else None)
+    g = tools.grammar if tools else requests.parse(rec)["grammar"]
+    alone = int4_pair.run(ids, int4_pair.config(max_new_tokens=128, draft_len=0, grammar=g))
+    spec = int4_pair.run(ids, int4_pair.config(max_new_tokens=128, draft_len="auto", drafter="hybrid", grammar=g))
+    assert spec.tokens == alone.tokens and alone.finish_reason == "eos" and alone.stats["grammar_complete"]
+    if tools:
+        content, calls = parse(alone.text, tools)
+        assert content is None and len(calls) == 1 and isinstance(json.loads(calls[0]["function"]["arguments"]), dict)
+    elif "json_schema" in rec and rec["json_schema"].get("type") == "object":
+        assert set(json.loads(alone.text)) == set(rec["json_schema"]["required"])
