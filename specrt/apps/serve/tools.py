@@ -75,7 +75,7 @@ def tools_of(body: dict, codec) -> Tools | None:
     if not codec.renders_tools:
         raise RequestError("this pair's chat template does not show tools to the model", param="tools")
     grammar = None if called is None else Grammar("lark", calls_grammar({n: functions[n] for n in called}, parallel, codec))
-    return Tools([t for t in tools], frozenset(functions), grammar, parallel)
+    return Tools(list(tools), frozenset(functions), grammar, parallel)
 
 
 def calls_grammar(functions: dict[str, dict], many: bool, codec) -> str:
