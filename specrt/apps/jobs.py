@@ -613,6 +613,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
                 raise ConfigError(f"batched decoding runs on onnxruntime: device auto, cpu or cuda, not {device!r}")
             pair = load(pair_dir, threads=threads, device=device, history_cap=history_cap,
                         draft_model=_needs_draft(pending))
+            pair.grammars = grammars  # the one that checked the records: its tokenizer view is built already
             for note in pair.notes:
                 log(f"note: {note}")
             for tokens in out.earlier:  # what an uninterrupted run's history would hold at this point

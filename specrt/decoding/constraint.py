@@ -55,7 +55,7 @@ class Constraint:
         return not self.error and self.m.is_stopped()
 
     def _go(self, drafted: tuple[int, ...]) -> bool:
-        """The drafts' matcher at the committed sequence + `drafted` (False: the grammar met a limit there)."""
+        """The drafts' matcher at the committed sequence + `drafted` (False: the grammar refuses them there)."""
         if self.d is None:
             self.d, self.path = self.m.deep_copy(), []
         common = 0
@@ -75,15 +75,14 @@ class Constraint:
             self.path.append(t)
         return True
 
-    def allowed(self, drafted: Sequence[int] = ()) -> np.ndarray | None:
-        """bool [vocab]: what may follow the committed sequence + `drafted` (None: `drafted` leaves the grammar)."""
+    def allowed(self, drafted: Sequence[int] = ()) -> np.ndarray:
+        """bool [vocab]: what may follow the committed sequence + `drafted` (nothing where `drafted` leaves the
+        grammar or meets its limits)."""
         key = tuple(int(t) for t in drafted)
         if key in self.masks:
             return self.masks[key]
         if self.error or self.eos.intersection(key):  # nothing follows an end (nor can a matcher roll back past one)
             return np.zeros(self.vocab, bool)
-        if self.valid(key) < len(key):
-            return None
         t0 = time.perf_counter()
         mask = np.zeros(self.vocab, bool)
         if self._go(key):
