@@ -274,3 +274,42 @@ def test_chunked_prefill_equals_one_pass(request, which):
             for r in range(2):
                 np.testing.assert_allclose(_prefix(chunked, "k", i, counts[r], row=r), _prefix(one, "k", i, counts[r], row=r),
                                            atol=3e-5)
+
+
+class _CapturingSession:
+    """Stands in for a session created with CUDA graph capture: records the graph id each call names
+    (None: no run options, which onnxruntime runs as graph 0: captured once, then replayed)."""
+
+    def __init__(self):
+        self.ids = []
+
+    def io_binding(self):
+        class _IO:
+            def __getattr__(self, name):
+                return lambda *a, **k: None
+        return _IO()
+
+    def run_with_iobinding(self, io, run_options=None):
+        self.ids.append(None if run_options is None else run_options.get_run_config_entry("gpu_graph_id"))
+
+
+def test_uncaptured_calls_on_a_capturing_session_name_no_graph(noq_dir):
+    """On CUDA, a batch engine without query_seqlens runs multi-token ragged passes row by row through row
+    views of its session, which captures CUDA graphs: every such call must name graph -1, else onnxruntime
+    captures the first as graph 0 and replays it for every later call (found on an H200: batched outputs
+    all wrong). Engines of other batch sizes share the session, so they draw graph ids from one counter."""
+    from specrt.engines.ort import _CudaGraphs
+    from specrt.manifest import read_manifest
+
+    entry = read_manifest(noq_dir).target
+    session = _CapturingSession()
+    n = entry.num_layers
+    bufs = ([None] * n, [None] * n, [0] * n, [0] * n)
+    eng = LeanEngine(None, entry, 64, 8, batch=3, session=session, device="cuda", cuda_graph=True, buffers=bufs)
+    assert eng.captures and not eng.ragged
+    tokens = np.ones((3, 2), np.int64)
+    eng.forward_ragged(tokens, np.array([2, 1, 2]), np.array([0, 1, 2, 4, 5]))
+    assert session.ids == ["-1", "-1", "-1"] and eng.lengths.tolist() == [2, 1, 2]
+    other = LeanEngine(None, entry, 64, 8, batch=1, session=session, device="cuda", cuda_graph=True, buffers=bufs)
+    a, b = _CudaGraphs(eng), _CudaGraphs(other)
+    assert [next(a._ids), next(b._ids), next(a._ids)] == [1, 2, 3]

@@ -41,7 +41,8 @@ def main() -> int:
     lines = (r.stdout + r.stderr).splitlines()
     print("placement lines:", *[ln for ln in lines if re.search(r"placed on \[|All nodes placed|Memcpy", ln)], sep="\n")
     c = subprocess.run([sys.executable, "-c", CAPTURE, graph], capture_output=True, text=True)
-    print((c.stdout + c.stderr).strip().splitlines()[-1] if (c.stdout + c.stderr).strip() else "capture: no output")
+    said = [ln for ln in c.stdout.splitlines() if ln.startswith("capture session:")]  # stderr has warnings
+    print(said[-1] if said else f"capture session: no answer (exit {c.returncode}): {c.stderr.strip()[-300:]}")
     return r.returncode
 
 

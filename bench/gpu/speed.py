@@ -17,7 +17,10 @@ reached on the CPU (bench/results/cpu_tokens_per_round.json: greedy, so the same
 a round whose k drafts were all accepted makes the draft read two tokens next round, hence a_k).
 A 7B target of 28 layers and 15 GB would take minutes to export on the GPU machine; `--target-layers`
 times it at two depths and extrapolates linearly to 28 (a captured pass is a sum of per-layer kernels).
-Writes OUT/summary.json {"device", "date", "shapes": {"0.5b-1.5b": {...}, "0.5b-7b": {...}}}.
+Making and exporting a model is most of the time (on the H200 machine: the 0.5B ~100 s, the 1.5B ~175 s).
+The models are made in a temporary folder; every model's times go to OUT/timings.json as soon as they are
+measured (a run stopped by its time limit keeps them), then OUT/summary.json {"device", "date", "shapes":
+{"0.5b-1.5b": {...}, "0.5b-7b": {...}}}.
 
     python bench/gpu/speed.py --out OUT                       # on the GPU machine (bench/gpu/check.sh)
     python bench/gpu/speed.py --out OUT --device cpu --tiny   # a smoke run of this script on any machine
@@ -25,10 +28,13 @@ Writes OUT/summary.json {"device", "date", "shapes": {"0.5b-1.5b": {...}, "0.5b-
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +59,7 @@ TINY = {  # --tiny: the same script on shapes any CPU runs in seconds
     "7b": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=8,
                num_key_value_heads=2, vocab_size=520),
 }
-PAIRS = {"0.5b-1.5b": ("0.5b", "1.5b"), "0.5b-7b": ("0.5b", "7b")}
+PAIRS = {"0.5b-7b": ("0.5b", "7b"), "0.5b-1.5b": ("0.5b", "1.5b")}  # the 7B first: the one a GPU wants
 WIDTHS = (1, 2, 3, 4, 5)
 
 
@@ -137,7 +143,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the script itself")
     ap.add_argument("--shapes", default=",".join(PAIRS), help="comma-separated: " + ", ".join(PAIRS))
-    ap.add_argument("--target-layers", default="7b:2,4", help="MODEL:A,B times MODEL at A and B layers and "
+    ap.add_argument("--target-layers", default="7b:1,2", help="MODEL:A,B times MODEL at A and B layers and "
                                                                "extrapolates to its real depth")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--calls", type=int, default=30)
@@ -151,7 +157,8 @@ def main() -> int:
         name, depths = spec.split(":")
         cut[name] = tuple(int(x) for x in depths.split(","))
     rounds = json.loads(TOKENS_PER_ROUND.read_text())["drafters"] if TOKENS_PER_ROUND.is_file() else {}
-    work = args.out / "models"
+    work = Path(tempfile.mkdtemp(prefix="specrt-speed-"))
+    atexit.register(shutil.rmtree, work, True)  # gigabytes of models
     vocab = min(s["vocab_size"] for s in shapes.values())  # one tokenizer: the narrowest output matrix
     timings: dict[str, dict] = {}
     t0 = time.time()
@@ -161,7 +168,7 @@ def main() -> int:
             d_src = make_model(work / f"hf-{d_name}", shapes[d_name], shapes[d_name]["num_hidden_layers"], vocab, 1)
             pd = export(work, f"pair-{d_name}", d_src, None, args.max_len)
             timings[d_name] = {g: pass_ms(pd, True, args.device, g, prompt, args.calls) for g in (True, False)}
-            print(f"{d_name}: {timings[d_name][True]['ms']} ({time.time() - t0:.0f} s)", flush=True)
+            _report(args.out, d_name, timings[d_name], t0)
         if t_name not in timings:
             full = shapes[t_name]["num_hidden_layers"]
             depths = cut.get(t_name, (full,))
@@ -170,7 +177,7 @@ def main() -> int:
                 src = make_model(work / f"hf-{t_name}-{L}", shapes[t_name], L, vocab, 2)
                 pt = export(work, f"pair-{t_name}-{L}", src, None, args.max_len)
                 per.append({g: pass_ms(pt, False, args.device, g, prompt, args.calls) for g in (True, False)})
-                print(f"{t_name} ({L} layers): {per[-1][True]['ms']} ({time.time() - t0:.0f} s)", flush=True)
+                _report(args.out, f"{t_name}-{L}", per[-1], t0)
             if len(depths) == 2:
                 timings[t_name] = {g: {"ms": extrapolate(per[0][g]["ms"], per[1][g]["ms"], *depths, full),
                                        "note": per[0][g]["note"], "measured_layers": list(depths),
@@ -199,6 +206,17 @@ def main() -> int:
               f"draft {s['draft_ms'][1]:.2f} ms, c = {s['c']:.2f}, best {s['best']['drafter']} k={s['best']['draft_len']}: "
               f"{s['speculative_over_target']:.2f}x target-only ({s['target_tok_s']:.0f} tok/s)")
     return 0
+
+
+def _report(out: Path, name: str, times: dict, t0: float) -> None:
+    """Print a model's pass times, captured and not, and add them to OUT/timings.json at once."""
+    path = out / "timings.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    done[name] = {"captured": times[True], "uncaptured": times[False]}
+    path.write_text(json.dumps(done, indent=1))
+    fmt = lambda ms: " ".join(f"{w}:{v:.3f}" for w, v in ms.items())  # noqa: E731
+    print(f"{name}: ms per pass by width, captured {fmt(times[True]['ms'])} | uncaptured {fmt(times[False]['ms'])}"
+          f" ({time.time() - t0:.0f} s)", flush=True)
 
 
 def _device_name(device: str) -> str:

@@ -17,8 +17,10 @@ Per call only the token ids and lengths go to the device and only the requested 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -433,16 +435,18 @@ class LeanEngine(_Base):
 class _RowView(LeanEngine):
     """Row r of a batched LeanEngine as a batch-1 engine: the same session and buffers, its length a view of
     the batch's `lengths[r]` (it moves in both), its writes at row r's offset; uncaptured (a CUDA graph
-    holds the batch's addresses)."""
+    holds the batch's addresses), but on a session that captures, so its calls must say so: a call without a
+    graph id would capture graph 0 and then replay it with another call's inputs."""
 
     def __init__(self, batch: LeanEngine, r: int):
         super().__init__(None, batch.entry, batch.max_len, batch._max_logits, 1, session=batch.session,
-                         device=batch.device, device_id=batch.device_id, cuda_graph=False,
+                         device=batch.device, device_id=batch.device_id, cuda_graph=batch.captures,
                          capture_width=batch.capture_width, prefill_chunk=batch.prefill_chunk,
                          buffers=(batch.keys, batch.values, batch._key_ptrs, batch._value_ptrs), kernel=batch.kernel)
         self.lengths = batch.lengths[r:r + 1]
         self.lowest_write = batch.lowest_write[r:r + 1]
         self._offset = batch._offset + r * batch._row_bytes
+        self._graphs = None
 
 
 def _run_options(graph_id: int):
@@ -459,11 +463,14 @@ class _CudaGraphs:
     addresses never change). Passes wider than the engine's `capture_width` (prefills) run uncaptured."""
 
     most = 64  # graphs kept per engine (each holds its own activations)
+    # graph ids are the session's: engines of other batch sizes sharing it must not reuse each other's
+    _next_id: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, engine: LeanEngine):
         import onnxruntime as ort
 
         self.e, self._ort = engine, ort
+        self._ids = self._next_id.setdefault(engine.session, itertools.count(1))  # -1: no graph; 0: what a call without an id captures
         self.ids: dict[tuple[int, int, int], int] = {}
         self.bufs: dict[tuple[int, int, int], dict] = {}
 
@@ -476,7 +483,7 @@ class _CudaGraphs:
             return None
         ort, dev, did = self._ort, "cuda", e.device_id
         if key not in self.ids:
-            self.ids[key] = len(self.ids) + 1  # 0 and -1 mean "no graph" to onnxruntime
+            self.ids[key] = next(self._ids)
             feeds = e._inputs(tokens, counts)
             # attention reads the bound on the host: kept there, it needs no copy node (which capture forbids)
             bufs = {n: ort.OrtValue.ortvalue_from_numpy(v, *(("cpu", 0) if n == "total_sequence_length" else (dev, did)))
