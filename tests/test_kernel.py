@@ -427,6 +427,7 @@ def test_the_arm_paths_under_qemu(tmp_path, cxx, cpu, paths):
     assert f"paths: {paths}" in r.stdout
     if int4.library() is not None:  # the attention gives the same bits on Arm as here
         assert f"attention {_attention_hash():016x}" in r.stdout
+        assert f"attention-big {_attention_hash(big=True):016x}" in r.stdout
 
 
 @built
@@ -493,7 +494,7 @@ B, s, z, b = weights(rng, K, N, bs, bias=True)
 w, A = Packed(B, s, z, b, K, N, bs), rng.standard_normal((13, K)).astype(np.float32)
 for path in int4.paths():
     print(path, hashlib.sha256(w(A, path).tobytes()).hexdigest())
-print("attention", _attention_hash())
+print("attention", _attention_hash(), _attention_hash(big=True))
 import tempfile, pathlib
 d = pathlib.Path(tempfile.mkdtemp())
 sess, kernel = _session(_matmulnbits(d / "m.onnx", K, N, bs, B, s, z, b), "auto")
@@ -502,10 +503,13 @@ print("session ok" if kernel.swapped == 1 else "session not swapped", hashlib.sh
 """ % str(ROOT / "tests")
 
 
-def _attention_hash(base: bool = False) -> int:
+def _attention_hash(base: bool = False, big: bool = False) -> int:
+    """The bits of specrt_attention_demo's problem (attention.cc): the small one or the big one, through the
+    best instructions this CPU has or the baseline's."""
     lib = int4._lib()
-    out = np.empty(2 * 3 * 128 + 2 * 2 * 2 * 16 * 32, np.float32)
-    n = lib.specrt_attention_demo(ctypes.c_void_p(out.ctypes.data), int(base))
+    out = np.empty(2 * 9 * 768 + 2 * 2 * 2 * 48 * 128 if big else 2 * 3 * 128 + 2 * 2 * 2 * 16 * 32, np.float32)
+    n = lib.specrt_attention_demo(ctypes.c_void_p(out.ctypes.data), int(base), int(big))
+    assert n == len(out)
     h = 1469598103934665603
     for bits in out[:n].view(np.uint32).tolist():
         h = ((h ^ bits) * 1099511628211) & (2**64 - 1)
@@ -572,8 +576,9 @@ def test_attention_computes_what_groupqueryattention_computes(tmp_path):
 
 
 @built
-def test_attention_gives_the_same_bits_with_and_without_avx2():
-    assert _attention_hash() == _attention_hash(base=True)
+@pytest.mark.parametrize("big", [False, True])
+def test_attention_gives_the_same_bits_with_and_without_avx2(big):
+    assert _attention_hash(big=big) == _attention_hash(base=True, big=big)
 
 
 @built

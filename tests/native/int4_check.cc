@@ -16,7 +16,7 @@ int specrt_int4_matmul(const void* packed, const float* A, int M, float* Y, cons
 void specrt_int4_reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N,
                            int bs, const float* A, int M, float* Y);
 void specrt_int4_free(void* w);
-int specrt_attention_demo(float* out, int base);
+int specrt_attention_demo(float* out, int base, int big);
 }
 
 int main() {
@@ -58,16 +58,18 @@ int main() {
     }
     specrt_int4_free(w);
   }
-  // the attention's fixed problem: a hash of its bits, which the test compares with this machine's own
-  std::vector<float> att(2 * 3 * 128 + 2 * 2 * 2 * 16 * 32);
-  const int count = specrt_attention_demo(att.data(), 0);
-  uint64_t h = 1469598103934665603ull;
-  for (int i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &att[i], 4);
-    h = (h ^ bits) * 1099511628211ull;
+  // the attention's fixed problems: hashes of their bits, which the test compares with this machine's own
+  for (int big = 0; big < 2; ++big) {
+    std::vector<float> att(big ? 2 * 9 * 768 + 2 * 2 * 2 * 48 * 128 : 2 * 3 * 128 + 2 * 2 * 2 * 16 * 32);
+    const int count = specrt_attention_demo(att.data(), 0, big);
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < count; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &att[i], 4);
+      h = (h ^ bits) * 1099511628211ull;
+    }
+    std::printf("attention%s %016llx\n", big ? "-big" : "", (unsigned long long)h);
   }
-  std::printf("attention %016llx\n", (unsigned long long)h);
   std::printf("ok\n");
   return 0;
 }

@@ -115,13 +115,15 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
 
 }  // namespace specrt
 
-// A fixed problem through the attention (2 rows of 3 and 2 new tokens after pasts of 5 and 0 entries,
-// 4 heads over 2 key/value heads of 32, 16 slots): its outputs and caches in `out` (2*3*128 + 2 * 2*2*16*32
-// floats). The tests compare them across instruction sets: they are the same bits everywhere.
-// `base`: through the baseline instructions even where AVX2 is there.
-extern "C" __attribute__((visibility("default"))) int specrt_attention_demo(float* out, int base) {
+// A fixed problem through the attention: its outputs and caches in `out`; returns how many floats. The tests
+// compare them across instruction sets: they are the same bits everywhere. `base`: through the baseline
+// instructions even where AVX2 is there. `big` 0: 2 rows of 3 and 2 new tokens after pasts of 5 and 0
+// entries, 4 heads over 2 key/value heads of 32, 16 slots (2*3*128 + 2 * 2*2*16*32 floats); 1: rows of 9 and
+// 4 new tokens after pasts of 30 and 7, 6 heads over 2 of 128, 48 slots (2*9*768 + 2 * 2*2*48*128 floats):
+// tiles of 8 and 3 rows whose lengths differ, keys across blocks of 16, a head size of two spans of 64.
+extern "C" __attribute__((visibility("default"))) int specrt_attention_demo(float* out, int base, int big) {
   using namespace specrt;
-  const int B = 2, S = 3, H = 4, Hkv = 2, D = 32, C = 16;
+  const int B = 2, S = big ? 9 : 3, H = big ? 6 : 4, Hkv = 2, D = big ? 128 : 32, C = big ? 48 : 16;
   unsigned s = 7;
   auto next = [&s]() { return s = s * 1103515245u + 12345u, (float)((int)((s >> 9) % 2001) - 1000) / 500.0f; };
   std::vector<float> qkv((size_t)B * S * (H + 2 * Hkv) * D), cos((size_t)C * D / 2), sin((size_t)C * D / 2);
@@ -135,7 +137,7 @@ extern "C" __attribute__((visibility("default"))) int specrt_attention_demo(floa
   float* pk = out + (size_t)B * S * H * D;
   float* pv = pk + (size_t)B * Hkv * C * D;
   for (size_t i = 0; i < (size_t)B * Hkv * C * D; ++i) pk[i] = next(), pv[i] = next();
-  const int n[2] = {3, 2}, P[2] = {5, 0};
+  const int n[2] = {big ? 9 : 3, big ? 4 : 2}, P[2] = {big ? 30 : 5, big ? 7 : 0};
   AttentionCall c;
   c.B = B, c.S = S, c.H = H, c.Hkv = Hkv, c.D = D, c.C = C, c.n = n, c.P = P;
   c.q = qkv.data(), c.k = c.q + H * D, c.v = c.q + (H + Hkv) * D;
