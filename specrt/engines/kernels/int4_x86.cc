@@ -167,10 +167,11 @@ SPECRT_TARGET_BEGIN("avx2,fma,avx512f,avx512bw,avx512vnni")
 namespace x86_avx512vnni {
 struct T {
   SPECRT_ZMM_TRAITS
-  // 8 rows a tile, each with two accumulators (low and high nibbles): 16 accumulators, and the broadcast
-  // folded into vpdpbusd; more rows a tile spilled registers or serialized a row's two dots (Zen 4, two
-  // threads, with the L1 prefetch below gone: 1.04-1.28x at 9 to 64 rows over 16-row tiles)
-  static constexpr int R = 8;
+  // up to 12 rows a tile, each with two accumulators (low and high nibbles): 24 of the 32 registers, and the
+  // broadcast folded into vpdpbusd. 16-row tiles (one accumulator a row) serialized a row's two dots (Zen 4,
+  // two threads: 1.04-1.28x at 9 to 64 rows for tiles of 8); 12 over 8 saves a second tile's unpacking and
+  // reading of each step at 9 to 12 rows (1.05-1.11x at 9 rows on every target shape, same bits)
+  static constexpr int R = 12;
   // Software prefetch (Zen 4, two threads, docs/kernel.md): none at 1 to 3 rows, where the hardware's
   // own prefetch streams faster without it (1.1-1.3x); from 4 rows, 8 blocks ahead into L2 (1.2-1.6x at
   // 4 to 7 rows); never into L1 (8-10% slower at 9 to 16 rows).
