@@ -143,7 +143,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the script itself")
     ap.add_argument("--shapes", default=",".join(PAIRS), help="comma-separated: " + ", ".join(PAIRS))
-    ap.add_argument("--target-layers", default="7b:1,2", help="MODEL:A,B times MODEL at A and B layers and "
+    ap.add_argument("--target-layers", default="7b:1,3", help="MODEL:A,B times MODEL at A and B layers and "
                                                                "extrapolates to its real depth")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--calls", type=int, default=30)
