@@ -464,13 +464,14 @@ class _CudaGraphs:
 
     most = 64  # graphs kept per engine (each holds its own activations)
     # graph ids are the session's: engines of other batch sizes sharing it must not reuse each other's
+    # (from 1: -1 is "no graph", and 0 is what onnxruntime captures a call that names no graph as)
     _next_id: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, engine: LeanEngine):
         import onnxruntime as ort
 
         self.e, self._ort = engine, ort
-        self._ids = self._next_id.setdefault(engine.session, itertools.count(1))  # -1: no graph; 0: what a call without an id captures
+        self._ids = self._next_id.setdefault(engine.session, itertools.count(1))
         self.ids: dict[tuple[int, int, int], int] = {}
         self.bufs: dict[tuple[int, int, int], dict] = {}
 
