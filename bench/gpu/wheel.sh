@@ -13,7 +13,6 @@ rm -rf .whl && mkdir -p .whl/dl .whl/tree
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 -d .whl/dl "onnxruntime-gpu==$VERSION"
 W=$(ls .whl/dl/*.whl)
-basename "$W" > .whl/name
 python3 -m zipfile -e "$W" .whl/tree
 rm -f .whl/tree/onnxruntime/capi/libonnxruntime_providers_tensorrt.so
 tar cf - -C .whl/tree . | xz -T0 -9 | split -b "$PART" - .whl/part-
