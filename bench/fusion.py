@@ -1,9 +1,10 @@
 """The graph's folds (engines/int4.py: a constant bias Add into the matmul before it, a gated MLP's activation
-into the gate/up matmul) against the same graph without them, in one process: the pair loaded twice, passes
-of each width run back to back on both (which goes first alternates), the median of the per-repeat time
-ratios (unfolded / folded: above 1, folding is faster) and each side's median.
+into the gate/up matmul, a norm into the matmul after it) against the same graph without them (`--unfold`:
+which; default all), in one process: the pair loaded twice, passes of each width run back to back on both
+(which goes first alternates), the median of the per-repeat time ratios (unfolded / folded: above 1,
+folding is faster) and each side's median.
 
-    python bench/fusion.py PAIR_DIR [--past 300] [--widths 1,3,5,9] [--repeats 20] [--threads 2]
+    python bench/fusion.py PAIR_DIR [--unfold bias,glu,norm] [--past 300] [--widths 1,3,5,9] [--repeats 20] [--threads 2]
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,3,5,9")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--unfold", default="bias,glu,norm", help="the folds the unfolded side goes without")
     args = ap.parse_args()
     import specrt
     from specrt.engines import int4
@@ -31,12 +33,16 @@ def main() -> None:
         sys.exit(int4.unavailable())
     widths = [int(w) for w in args.widths.split(",")]
     folded = specrt.load(args.pair, threads=args.threads)
-    fold_bias, fuse_glu = int4._fold_bias, int4._fuse_glu
-    int4._fold_bias = int4._fuse_glu = lambda *a: 0
+    folds = {"bias": "_fold_bias", "glu": "_fuse_glu", "norm": "_fold_norm"}
+    unfold = [folds[f] for f in args.unfold.split(",")]
+    kept = {f: getattr(int4, f) for f in unfold}
+    for f in unfold:
+        setattr(int4, f, lambda *a: 0)
     try:
         plain = specrt.load(args.pair, threads=args.threads)
     finally:
-        int4._fold_bias, int4._fuse_glu = fold_bias, fuse_glu
+        for f, fn in kept.items():
+            setattr(int4, f, fn)
     print(f"# {' '.join(sys.argv)}")
     rng = np.random.default_rng(0)
     V = folded.manifest.vocab_size

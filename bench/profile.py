@@ -8,8 +8,9 @@ the pass outside any node (the executor, the thread pool waking, binding). The p
 its matmuls' rooflines, each max(packed bytes / bandwidth, width x K x N / peak) with this host's bandwidth
 and int8 peak (bench/roofline.cc, as bench/roofline.py measures them), plus the measured time of everything
 that is not a matmul. Then each matmul shape's time inside the pass (all its nodes) against its roofline.
+`--model draft` profiles the draft model's pass instead.
 
-    python bench/profile.py PAIR_DIR [--past 300] [--widths 1,5,9] [--repeats 10] [--threads 2] [--json OUT]
+    python bench/profile.py PAIR_DIR [--model draft] [--past 300] [--widths 1,5,9] [--repeats 10] [--threads 2] [--json OUT]
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,5,9")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", choices=("target", "draft"), default="target")
     ap.add_argument("--json")
     args = ap.parse_args()
     import specrt
@@ -54,11 +56,11 @@ def main() -> None:
         return so
 
     ort_engine.session_options = profiled
-    pair = specrt.load(args.pair, draft_model=False, threads=args.threads)
+    pair = specrt.load(args.pair, draft_model=args.model == "draft", threads=args.threads)
     ort_engine.session_options = plain
-    target = pair.target
+    target = pair.target if args.model == "target" else pair.draft
     print(f"# {' '.join(sys.argv)}")
-    print(f"# target: {target.kernel.describe() if target.kernel else 'no int4 kernel'}")
+    print(f"# {args.model}: {target.kernel.describe() if target.kernel else 'no int4 kernel'}")
     V = pair.manifest.vocab_size
     rng = np.random.default_rng(0)
     target.forward(rng.integers(0, V, (1, args.past)), np.array([args.past - 1]))
@@ -67,18 +69,19 @@ def main() -> None:
     for _ in range(args.repeats + 1):  # the first round: a warm-up
         for w in widths:
             target.truncate(args.past)
-            target.forward(toks[:, :w], np.arange(w))
+            # a target pass verifies: logits at every row; a draft pass (a catch-up) needs its last row's
+            target.forward(toks[:, :w], np.arange(w) if args.model == "target" else np.array([w - 1]))
             order.append(w)
     events = json.loads(Path(target.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"][-len(order):]
     nodes = sorted((e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")),
                    key=lambda e: e["ts"])
 
-    shapes = roofline.shapes_of(args.pair)["target"]
+    shapes = roofline.shapes_of(args.pair)[args.model]
     layer_shapes = {(K, N) for (K, N, _), n in shapes.items() if n == max(shapes.values())}
     import onnx
 
-    graph = onnx.load(os.fspath(args.pair / pair.manifest.target.path), load_external_data=False).graph
+    graph = onnx.load(os.fspath(args.pair / getattr(pair.manifest, args.model).path), load_external_data=False).graph
     node_shape = {n.name: (a["K"], a["N"]) for n in graph.node if n.op_type == "MatMulNBits"
                   for a in [{x.name: x.i for x in n.attribute}]}
     # each node event belongs to the run whose span holds it

@@ -312,6 +312,93 @@ def test_a_bias_add_and_a_gated_activation_fold_into_the_matmul(tmp_path):
         np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
+def rms_norm(a, skip, gamma, eps):
+    """kernels/int4.h's rms_norm in numpy float32, one operation at a time in its order: s = a + skip, the
+    squares summed in 8 partial sums (value i into sum i % 8), added ((0+1)+(2+3))+((4+5)+(6+7))."""
+    s = (a + skip).astype(np.float32) if skip is not None else a.astype(np.float32)
+    M, K = s.shape
+    part = np.zeros((M, 8), np.float32)
+    for i in range(0, K, 8):
+        chunk = s[:, i:i + 8]
+        part[:, :chunk.shape[1]] += chunk * chunk
+    total = ((part[:, 0] + part[:, 1]) + (part[:, 2] + part[:, 3])) + ((part[:, 4] + part[:, 5]) + (part[:, 6] + part[:, 7]))
+    inv = np.float32(1) / np.sqrt(total / np.float32(K) + np.float32(eps))
+    return s, (s * inv[:, None]) * gamma
+
+
+def _normed(path: Path, K, N, bs, B, scales, zp, gamma, kind: str):
+    """A root-mean-square norm then MatMulNBits: `kind` "skip" (SkipSimplifiedLayerNormalization of A and S,
+    its sum an output of the graph), "simple" (SimplifiedLayerNormalization of A), "used elsewhere" (the skip
+    norm's output is also an output of the graph) or "bias" (a skip norm with a bias input)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales, "scales"),
+             numpy_helper.from_array(zp, "zp"), numpy_helper.from_array(gamma, "gamma"),
+             numpy_helper.from_array(np.full(K, 0.25, np.float32), "beta")]
+    info = lambda n, w: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", w])  # noqa: E731
+    ins, outs = [info("A", K)], [info("Y", N)]
+    if kind == "simple":
+        nodes = [helper.make_node("SimplifiedLayerNormalization", ["A", "gamma"], ["x"], axis=-1, epsilon=1e-6)]
+    else:
+        ins.append(info("S", K))
+        outs.append(info("sum", K))
+        nodes = [helper.make_node("SkipSimplifiedLayerNormalization", ["A", "S", "gamma"] + (["beta"] if kind == "bias" else []),
+                                  ["x", "", "", "sum"], domain="com.microsoft", epsilon=1e-6)]
+        if kind == "used elsewhere":
+            outs.append(info("x", K))
+    nodes.append(helper.make_node("MatMulNBits", ["x", "B", "scales", "zp"], ["Y"], domain="com.microsoft", K=K, N=N,
+                                  bits=4, block_size=bs, accuracy_level=4))
+    g = helper.make_graph(nodes, "g", ins, outs, inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=64)
+    return path
+
+
+@built
+def test_a_norm_folds_into_the_matmul_after_it(tmp_path):
+    """A SkipSimplifiedLayerNormalization (or SimplifiedLayerNormalization) that only the matmul reads becomes
+    the matmul's norm: its output is the matmul of rms_norm's rows (int4.h, the bits of `rms_norm` above),
+    its sum the same as the norm's; a row's bits do not depend on the rows beside it; close to
+    onnxruntime's own nodes. A norm whose output is used elsewhere, or with a bias, stays."""
+    rng = np.random.default_rng(13)
+    K, N, bs = 520, 96, 128  # K not a multiple of 8 x 8: the partial sums' tail
+    B, s, z, _ = weights(rng, K, N, bs)
+    gamma = rng.uniform(0.5, 2, K).astype(np.float32)
+    A = (rng.standard_normal((1, 11, K)) * rng.uniform(0.1, 10, (1, 11, 1))).astype(np.float32)
+    S = rng.standard_normal((1, 11, K)).astype(np.float32)
+    for kind in ("skip", "simple", "used elsewhere", "bias"):
+        path = _normed(tmp_path / f"{kind}.onnx", K, N, bs, B, s, z, gamma, kind)
+        model, _ = int4.plan(path, "auto")
+        ops = [n.op_type for n in model.graph.node]
+        feeds = {"A": A} if kind == "simple" else {"A": A, "S": S}
+        ours, _ = _session(path, "auto", threads=2)
+        theirs, _ = _session(path, "off")
+        got, want = ours.run(None, feeds), theirs.run(None, feeds)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-3, atol=1e-3 * np.abs(want[0]).max())
+        if kind in ("used elsewhere", "bias"):
+            assert ops[-1] == "Int4MatMul" and len(ops) == 2, ops
+            continue
+        assert ops == ["Int4MatMul"], ops
+        total, x = rms_norm(A[0], None if kind == "simple" else S[0], gamma, 1e-6)
+        np.testing.assert_array_equal(got[0][0], reference(B, s, z, None, K, N, bs, x))
+        if kind == "skip":
+            np.testing.assert_array_equal(got[1][0], total)
+        order = rng.permutation(11)
+        alone = ours.run(None, {k: v[:, order] for k, v in feeds.items()})[0]
+        np.testing.assert_array_equal(alone[0], got[0][0][order])
+        one = ours.run(None, {k: v[:, 4:5] for k, v in feeds.items()})[0]
+        np.testing.assert_array_equal(one[0, 0], got[0][0, 4])
+    lib = int4._lib()  # the library's own rms_norm: the same bits as the numpy one
+    norm = lib.specrt_rms_norm
+    norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2
+    y, out = np.empty((11, K), np.float32), np.empty((11, K), np.float32)
+    norm(A.ctypes.data, S.ctypes.data, gamma.ctypes.data, 1e-6, 11, K, out.ctypes.data, y.ctypes.data)
+    total, x = rms_norm(A[0], S[0], gamma, 1e-6)
+    np.testing.assert_array_equal(y, x)
+    np.testing.assert_array_equal(out, total)
+
+
 @built
 def test_threads_split_columns_not_bits(tmp_path):
     rng = np.random.default_rng(4)

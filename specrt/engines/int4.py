@@ -7,10 +7,11 @@ nodes (not its weights) and swaps every node the kernels take. MatMulNBits: 4 bi
 multiple of 32, accuracy level 4 (int8 activations, which is what the kernel computes), constant float
 weights, no g_idx, on a CPU with one of the kernel's SIMD paths. GroupQueryAttention: float, rotary inside
 (not interleaved), no softcap, local window, smooth softmax, position ids or bias, a head size that is a
-multiple of 16. The others stay onnxruntime's, node by node. Then two folds into the swapped matmuls: an Add
-of a constant bias after one becomes its bias (the same bits), and a gated MLP's activation after one (Split
-in halves, g * Sigmoid(g), times the other half) becomes its gated output (kernels/int4.h, Packed::glu): a
-layer runs five nodes fewer. The graph file is never changed: the session is made from the edited graph in
+multiple of 16. The others stay onnxruntime's, node by node. Then three folds into the swapped matmuls: an Add
+of a constant bias after one becomes its bias (the same bits), a gated MLP's activation after one (Split
+in halves, g * Sigmoid(g), times the other half) becomes its gated output (kernels/int4.h, Packed::glu), and
+a root-mean-square norm before one becomes its `norm` (kernels/int4.h, rms_norm): a layer runs seven nodes
+fewer. The graph file is never changed: the session is made from the edited graph in
 memory, its weights read from the pair folder as before.
 
 `SPECRT_INT4_KERNEL` chooses: "auto" (the default: the best matmul path this CPU runs), "off" (onnxruntime's
@@ -309,6 +310,55 @@ def _fuse_glu(graph, inits: dict, folder: Path) -> int:
     return len(drop) // 4
 
 
+def _fold_norm(graph, inits: dict) -> int:
+    """A root-mean-square norm whose output only Int4MatMuls read (onnxruntime's SkipSimplifiedLayerNormalization
+    without a bias, or SimplifiedLayerNormalization over the last axis; a constant float gamma of K values)
+    becomes their `norm` (kernels/int4.h, rms_norm): each normalizes the rows it quantizes anyway (the slices
+    of a matmul export cut in parts each do it again: a row's norm costs little beside its matmul), and a skip
+    norm's sum (the residual stream) becomes the first one's second output, which the others normalize. A layer runs two nodes fewer. The
+    norm's bits are specrt's own, the same for a row whatever the pass. Returns how many norms were folded."""
+    from onnx import TensorProto, helper
+
+    uses, outputs = _uses(graph)
+    drop = []
+    for norm in list(graph.node):
+        skip = norm.op_type == "SkipSimplifiedLayerNormalization" and norm.domain == "com.microsoft"
+        simple = norm.op_type == "SimplifiedLayerNormalization" and norm.domain in ("", "ai.onnx")
+        if not (skip or simple):
+            continue
+        ins, outs, na = list(norm.input), list(norm.output), _attrs(norm)
+        if skip:  # input, skip, gamma[, bias]; outputs: y, mean, inv_std_var, input + skip
+            x, residual, gamma = ins[0], ins[1], ins[2] if len(ins) > 2 else ""
+            if len(ins) > 3 and ins[3] or len(outs) < 4 or not outs[3]:
+                continue
+        elif na.get("axis", -1) == -1:
+            x, residual, gamma = ins[0], "", ins[1] if len(ins) > 1 else ""
+        else:
+            continue
+        y, g = outs[0], inits.get(gamma)
+        readers = uses.get(y, [])
+        unused = not any(o and (uses.get(o) or o in outputs) for o in outs[1:3])
+        if (not readers or y in outputs or not unused or g is None or g.data_type != TensorProto.FLOAT
+                or "epsilon" not in na):
+            continue
+        if not all(mm.op_type == OP and mm.domain == DOMAIN and mm.input[0] == y and list(mm.input).count(y) == 1
+                   and "norm" not in _attrs(mm) and list(g.dims) == [_attrs(mm)["K"]] for mm in readers):
+            continue
+        for i, mm in enumerate(readers):
+            inputs = list(mm.input) + [""] * (5 - len(mm.input))
+            del mm.input[:]
+            # the first computes the sum; the others normalize it (norm(a + skip) == norm(the sum): the same bits)
+            first = i == 0 or not skip
+            mm.input.extend([x if first else outs[3], *inputs[1:5], residual if first else "", gamma])
+            if skip and i == 0:
+                mm.output.append(outs[3])
+            mm.attribute.extend([helper.make_attribute("norm", 1), helper.make_attribute("epsilon", float(na["epsilon"]))])
+        drop.append(norm)
+    for node in drop:
+        graph.node.remove(node)
+    return len(drop)
+
+
 def _attention_refusal(node, inits: dict) -> str | None:
     """Why specrt's attention does not take this GroupQueryAttention node (None: it does)."""
     from onnx import TensorProto
@@ -365,6 +415,7 @@ def plan(model_path: Path, choice: str | None = None):
         swapped, refused = _swap(nodes, _refusal, inits, matmul)
         _fold_bias(model.graph, inits)
         _fuse_glu(model.graph, inits, Path(model_path).parent)
+        _fold_norm(model.graph, inits)
     why = (simd if nodes else None) or _reasons(refused)
 
     def attention(node, a):

@@ -307,6 +307,7 @@ class LeanEngine(_Base):
         self._row_bytes = entry.num_kv_heads * max_len * entry.head_dim * self.dtype.itemsize
         self._offset = 0  # byte offset of row 0 within the buffers (a row view's row)
         self._total = np.array([max_len], np.int32)  # slots per row: every length's upper bound
+        self._caches_bound = False  # in self._io (bound at the first uncaptured call, where _offset is final)
         self._graphs = _CudaGraphs(self) if self.captures else None
         self._rows: dict[int, LeanEngine] = {}
 
@@ -385,7 +386,9 @@ class LeanEngine(_Base):
         for name, value in self._inputs(tokens, counts).items():
             io.bind_cpu_input(name, value)
         io.bind_cpu_input("logit_index", np.ascontiguousarray(logit_index, np.int64))
-        self._bind_caches(io)
+        if not self._caches_bound:  # a binding holds between runs; the caches' addresses and shapes never change
+            self._bind_caches(io)
+            self._caches_bound = True
         io.bind_output("logits", "cpu", 0, np.float32, [N, W], self._logits.ctypes.data)
         self.session.run_with_iobinding(io, _run_options(-1) if self.captures else None)
         self.lengths += counts

@@ -142,6 +142,26 @@ void release(Packed* w) {
   *w = Packed();
 }
 
+void rms_norm(const float* a, const float* skip, const float* gamma, float eps, int K, float* sum, float* y) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= K; i += 8)
+    for (int j = 0; j < 8; ++j) {
+      const float s = skip ? a[i + j] + skip[i + j] : a[i + j];
+      y[i + j] = s;
+      part[j] += s * s;
+    }
+  for (int j = 0; i + j < K; ++j) {
+    const float s = skip ? a[i + j] + skip[i + j] : a[i + j];
+    y[i + j] = s;
+    part[j] += s * s;
+  }
+  if (sum) memcpy(sum, y, (size_t)K * sizeof(float));
+  const float total = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  const float inv = 1.0f / std::sqrt(total / (float)K + eps);
+  for (i = 0; i < K; ++i) y[i] = y[i] * inv * gamma[i];
+}
+
 void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out) {
   for (int r = row0; r < row0 + rows; ++r) {
     const float* a = A + (size_t)r * lda;
@@ -439,6 +459,14 @@ EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* 
   for (int r = 0; r < M; r += kRowChunk)
     impl->kernel(w, a, r, M - r < kRowChunk ? M - r : kRowChunk, p0, p1, Y, w.out_cols());
   return 0;
+}
+
+// rms_norm over M rows of K (skip and sum may be null), for the tests.
+EXPORT void specrt_rms_norm(const float* a, const float* skip, const float* gamma, float eps, int M, int K, float* sum,
+                            float* y) {
+  for (int r = 0; r < M; ++r)
+    rms_norm(a + (size_t)r * K, skip ? skip + (size_t)r * K : nullptr, gamma, eps, K, sum ? sum + (size_t)r * K : nullptr,
+             y + (size_t)r * K);
 }
 
 EXPORT void specrt_int4_reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K,

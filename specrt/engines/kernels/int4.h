@@ -78,6 +78,14 @@ bool pack(const uint8_t* B, const float* scales, const uint8_t* zp, const float*
           Packed* out, bool glu = false);
 void release(Packed* w);
 
+// A root-mean-square norm in front of a matmul (an onnxruntime SkipSimplifiedLayerNormalization or
+// SimplifiedLayerNormalization folded into it, engines/int4.py), one row of K values: s = a + skip (a alone
+// when skip is null), written to `sum` unless it is null; y = s * (1 / sqrt(mean(s * s) + eps)) * gamma, each
+// product rounded in that order. The squares are summed in 8 partial sums (value i into sum i % 8, in
+// order), added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): plain float operations in one order, so the
+// same bits on every path and in any pass.
+void rms_norm(const float* a, const float* skip, const float* gamma, float eps, int K, float* sum, float* y);
+
 // Path kernels and quantizers; defined in the per-ISA files (null where a build lacks them).
 void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy);
 void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);

@@ -123,6 +123,9 @@ class Api {
   Status* KernelContext_GetInputCount(const KernelContext* ctx, size_t* out) const {
     return fn<Status* (*)(const KernelContext*, size_t*)>(88)(ctx, out);
   }
+  Status* KernelContext_GetOutputCount(const KernelContext* ctx, size_t* out) const {
+    return fn<Status* (*)(const KernelContext*, size_t*)>(89)(ctx, out);
+  }
   Status* KernelContext_GetInput(const KernelContext* ctx, size_t index, const Value** out) const {
     return fn<Status* (*)(const KernelContext*, size_t, const Value**)>(90)(ctx, index, out);
   }
@@ -176,6 +179,7 @@ SPECRT_SLOT(KernelInfoGetAttribute_float, 85)
 SPECRT_SLOT(KernelInfoGetAttribute_int64, 86)
 SPECRT_SLOT(KernelInfoGetAttribute_string, 87)
 SPECRT_SLOT(KernelContext_GetInputCount, 88)
+SPECRT_SLOT(KernelContext_GetOutputCount, 89)
 SPECRT_SLOT(KernelContext_GetInput, 90)
 SPECRT_SLOT(KernelContext_GetOutput, 91)
 SPECRT_SLOT(ReleaseStatus, 93)

@@ -6,7 +6,9 @@
 // a path name from int4.h) and `glu` (optional, 1: the output is [..., N / 2], a gated MLP's activation
 // silu(Y[..., :N/2]) * Y[..., N/2:], int4.h's Packed::glu). The weights are packed once, when the session
 // creates the kernel; a call quantizes its rows once and spreads panels of output columns over onnxruntime's
-// own intra-op threads.
+// own intra-op threads. With the attribute `norm` (1) and `epsilon`, a root-mean-square norm in front
+// (int4.h, rms_norm): input 5 `skip` (optional, the shape of A) and input 6 `gamma` [K] (a constant); the
+// matmul takes the normalized rows of A + skip, and output 1 is A + skip (present when skip is).
 //
 // specrt.Attention, attention.h: inputs query [B, S, (H + 2 Hkv) D] (or [B, S, H D] with key and value
 // [B, S, Hkv D]), key, value (optional), past_key and past_value [B, Hkv, C, D], seqlens_k [B] int32,
@@ -36,6 +38,9 @@ using specrt::Packed;
 struct Op {
   Packed w;
   const specrt::Impl* impl = nullptr;
+  bool norm = false;  // a norm folded in front (rms_norm)
+  float eps = 0.0f;
+  std::vector<float> gamma;  // [K]
 };
 
 ort::Status* fail(const ort::Api& api, const std::string& msg) {
@@ -133,8 +138,9 @@ ort::Status* create(const ort::CustomOp*, const void* table, const ort::KernelIn
   }
   size_t inputs = 0;
   if (ort::Status* s = api.KernelInfo_GetInputCount(info, &inputs)) return api.ReleaseStatus(s), fail(api, "no inputs");
-  const ort::Value* v[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
-  for (size_t i = 1; i < inputs && i < 5; ++i) {
+  const ort::Value* v[7] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  for (size_t i = 1; i < inputs && i < 7; ++i) {
+    if (i == 5) continue;  // skip: a tensor of each call
     int constant = 0;
     if (ort::Status* s = api.KernelInfoGetConstantInput_tensor(info, i, &constant, &v[i])) api.ReleaseStatus(s);
     if (!constant) v[i] = nullptr;
@@ -148,7 +154,20 @@ ort::Status* create(const ort::CustomOp*, const void* table, const ort::KernelIn
   if (inputs > 3 && v[3] && !tensor(api, v[3], ort::kUint8, (size_t)N * ((nblk + 1) / 2), &zp, &why))
     return fail(api, "zero_points: " + why);
   if (inputs > 4 && v[4] && !tensor(api, v[4], ort::kFloat, (size_t)N, &bias, &why)) return fail(api, "bias: " + why);
+  int64_t norm = 0;
+  float eps = 0.0f;
+  const void* gamma = nullptr;
+  if (ort::Status* s = api.KernelInfoGetAttribute_int64(info, "norm", &norm)) api.ReleaseStatus(s), norm = 0;
+  if (norm) {
+    if (ort::Status* s = api.KernelInfoGetAttribute_float(info, "epsilon", &eps))
+      return api.ReleaseStatus(s), fail(api, "norm needs the attribute epsilon");
+    if (!(eps >= 0.0f)) return fail(api, "epsilon must be >= 0");
+    if (inputs < 7 || !v[6]) return fail(api, "norm needs gamma (input 6) as a constant initializer");
+    if (!tensor(api, v[6], ort::kFloat, (size_t)K, &gamma, &why)) return fail(api, "gamma: " + why);
+  }
   Op* op = new Op;
+  op->norm = norm != 0, op->eps = eps;
+  if (gamma) op->gamma.assign((const float*)gamma, (const float*)gamma + K);
   op->impl = specrt::choose(path.c_str(), nullptr);
   if (!op->impl) return delete op, fail(api, "path '" + path + "' cannot run on this CPU");
   if (glu && (N % (2 * specrt::kPanel) || bias))
@@ -174,15 +193,31 @@ void destroy(void* kernel) {
 struct Call {
   const Op* op;
   const float* A;
+  const float* skip = nullptr;  // with a norm: input 5, or null
+  float* sum = nullptr;         // with a skip: output 1
+  float* xn = nullptr;          // with a norm: the normalized rows [M][K]
   float* y;
   Acts acts;
   int M, group, groups;  // panels per item, items per row chunk
 };
 
+// Rows [r, r + n) of A quantized into c.acts, through the norm when there is one.
+void quantize_rows(const Call& c, int r, int n) {
+  const Op& op = *c.op;
+  const int K = op.w.K;
+  if (!op.norm) return op.impl->quantize(c.A, K, r, n, K, op.w.bs, c.acts);
+  for (int i = r; i < r + n; ++i) {
+    const size_t at = (size_t)i * K;
+    specrt::rms_norm(c.A + at, c.skip ? c.skip + at : nullptr, op.gamma.data(), op.eps, K, c.sum ? c.sum + at : nullptr,
+                     c.xn + at);
+  }
+  op.impl->quantize(c.xn, K, r, n, K, op.w.bs, c.acts);
+}
+
 void quantize_item(void* data, size_t i) {  // rows [8i, 8i + 8)
   const Call& c = *(const Call*)data;
-  const int r = (int)i * 8, n = c.M - r < 8 ? c.M - r : 8;
-  c.op->impl->quantize(c.A, c.op->w.K, r, n, c.op->w.K, c.op->w.bs, c.acts);
+  const int r = (int)i * 8;
+  quantize_rows(c, r, c.M - r < 8 ? c.M - r : 8);
 }
 
 void panel_item(void* data, size_t i) {
@@ -209,9 +244,31 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
     return fail(api, "A's last dimension must be K = " + std::to_string(w.K));
   size_t M = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) M *= (size_t)dims[i];
+  const std::vector<int64_t> adims = dims;
   dims.back() = w.out_cols();
   ort::Value* yv = nullptr;
   if (ort::Status* s = api.KernelContext_GetOutput(ctx, 0, dims.data(), dims.size(), &yv)) return s;
+  const float* skip = nullptr;  // with a norm: input 5 (optional), and then output 1 = A + skip
+  void* added = nullptr;
+  if (op.norm) {
+    size_t inputs = 0;
+    if (ort::Status* s = api.KernelContext_GetInputCount(ctx, &inputs)) return s;
+    const ort::Value* sk = nullptr;
+    if (inputs > 5)
+      if (ort::Status* s = api.KernelContext_GetInput(ctx, 5, &sk)) return s;
+    size_t outputs = 0;
+    if (ort::Status* s = api.KernelContext_GetOutputCount(ctx, &outputs)) return s;
+    if (sk && outputs < 2) return fail(api, "a norm with a skip input needs output 1 (the sum)");
+    if (sk) {
+      const void* p = nullptr;
+      if (!tensor(api, sk, ort::kFloat, M * w.K, &p, &why)) return fail(api, "skip: " + why);
+      skip = (const float*)p;
+      ort::Value* sv = nullptr;
+      if (ort::Status* s = api.KernelContext_GetOutput(ctx, 1, adims.data(), adims.size(), &sv)) return s;
+      if (M)
+        if (ort::Status* s = api.GetTensorMutableData(sv, &added)) return s;
+    }
+  }
   if (M == 0) return nullptr;
   if (M > (1u << 30) / (unsigned)w.nblk) return fail(api, "too many rows");
   void* y = nullptr;
@@ -221,10 +278,12 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
   q.resize(M * w.nblk * w.bs + specrt::kQPad), scale.resize(M * w.nblk), sum.resize(M * w.nblk);
   Call c;
   c.op = &op, c.A = (const float*)A, c.y = (float*)y, c.M = (int)M;
+  thread_local std::vector<float> xn;
+  if (op.norm) xn.resize(M * w.K), c.xn = xn.data(), c.skip = skip, c.sum = (float*)added;
   c.acts.M = (int)M, c.acts.Kp = w.nblk * w.bs, c.acts.nblk = w.nblk;
   c.acts.q = q.data(), c.acts.scale = scale.data(), c.acts.sum = sum.data();
   if (M < 16) {
-    op.impl->quantize(c.A, w.K, 0, (int)M, w.K, w.bs, c.acts);
+    quantize_rows(c, 0, (int)M);
   } else if (ort::Status* s = api.KernelContext_ParallelFor(ctx, quantize_item, (M + 7) / 8, 0, &c)) {
     return s;
   }
@@ -368,18 +427,19 @@ ort::Characteristic attention_input_kind(const ort::CustomOp*, size_t i) {
 const char* name(const ort::CustomOp*) { return "Int4MatMul"; }
 const char* provider(const ort::CustomOp*) { return nullptr; }  // the CPU
 ort::ElementType input_type(const ort::CustomOp*, size_t i) { return i == 1 || i == 3 ? ort::kUint8 : ort::kFloat; }
-size_t inputs(const ort::CustomOp*) { return 5; }
+size_t inputs(const ort::CustomOp*) { return 7; }
 ort::ElementType output_type(const ort::CustomOp*, size_t) { return ort::kFloat; }
-size_t outputs(const ort::CustomOp*) { return 1; }
+size_t outputs(const ort::CustomOp*) { return 2; }
 ort::Characteristic input_kind(const ort::CustomOp*, size_t i) { return i < 3 ? ort::kRequired : ort::kOptional; }
 ort::Characteristic output_kind(const ort::CustomOp*, size_t) { return ort::kRequired; }
+ort::Characteristic matmul_output_kind(const ort::CustomOp*, size_t i) { return i ? ort::kOptional : ort::kRequired; }
 int memory_type(const ort::CustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 int one(const ort::CustomOp*) { return 1; }
 int zero(const ort::CustomOp*) { return 0; }
 
 const ort::CustomOp kOp = {
     ort::kApiVersion, nullptr, name, provider, input_type, inputs, output_type, outputs, nullptr, destroy,
-    input_kind, output_kind, memory_type, one, zero, one, zero, create, compute, nullptr, nullptr, nullptr,
+    input_kind, matmul_output_kind, memory_type, one, zero, one, zero, create, compute, nullptr, nullptr, nullptr,
 };
 const ort::CustomOp kAttentionOp = {
     ort::kApiVersion, nullptr, attention_name, provider, attention_input_type, attention_inputs, output_type,
