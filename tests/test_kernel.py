@@ -767,6 +767,30 @@ def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
         assert roof["pass_ms"] == pytest.approx(roof["matmuls_ms"] + roof["rest_ms"])
         # the matmuls by shape are the same nodes as the layers' and the head's
         assert sum(v[w]["ms"] for v in d["by_shape"].values()) == pytest.approx(ms["layer matmuls"] + ms["head matmuls"])
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile.py"), str(int4_default_dir), "--model", "draft",
+                        "--widths", "1,3", "--past", "8", "--repeats", "2", "--json", str(out)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert "# draft: specrt" in r.stdout and d["ms"]["3"]["pass"] > 0 and d["ms"]["3"]["layer matmuls"] > 0
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_flags(), reason="bench/stream_ab.cc reads with AVX-512")
+def test_the_stream_tool_runs_the_kernel_beside_a_read(tmp_path):
+    cxx = os.environ.get("CXX", "g++")
+    lib = tmp_path / "a.so"
+    r = subprocess.run([cxx, *SOURCES["FLAGS"], "-fPIC", "-shared", f"-I{KERNELS}", "-o", str(lib),
+                        *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n != "ort_op.cc"]],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    exe = tmp_path / "stream_ab"
+    r = subprocess.run([cxx, "-std=c++17", "-O2", "-mavx512f", f"-I{KERNELS}", str(ROOT / "bench" / "stream_ab.cc"),
+                        "-ldl", "-pthread", "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([str(exe), str(lib), "256", "64", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("K 256 N 64:") and "kernel/read time" in r.stdout
+    assert subprocess.run([str(exe), str(lib)], capture_output=True, text=True).returncode == 2
 
 
 def test_the_kernel_ab_tool_compares_two_builds(tmp_path):

@@ -1,0 +1,219 @@
+"""The most any draft-length policy could make of the pair's drafters on this host: an oracle bound for
+`specrt bench --drafters hybrid --draft-lens 0,auto` on the same prompts (greedy).
+
+Per prompt, in the bench's order: the target's greedy output (target-only, through `pair.run`), then what
+each drafter would propose at every position of that output:
+- the draft model: its greedy token given the exact prefix (one teacher-forced draft pass a token; a model
+  round drafts exactly these tokens for as long as its drafts are accepted);
+- prompt lookup and the suffix drafter (decoding/proposers.py; the suffix drafter's history holds the
+  earlier prompts' outputs, as the bench's hybrid setting has it).
+Knowing the output, a round at position i drafting k tokens by drafter d emits min(agree, k) + 1 tokens
+(agree: how many of d's tokens from i match the output), and costs k draft passes (the model only) plus one
+target pass of k + 1 tokens, at this host's pass costs measured here (one process, interleaved, medians,
+after a past of --past tokens), and the prompt's passes: the target's, and the draft model's when it drafts
+at all. A dynamic program over the positions finds the cheapest sequence of rounds through each output. It
+leaves out what real rounds also pay: the draft model's catch-up after lookup rounds, the second token a
+draft pass reads after a round that accepted everything, the loop's own time, and learning which drafter
+is right. So no policy over these drafters does better on these prompts at these
+pass costs; the distance from it to the bench's hybrid auto is the policy's (docs/drafting.md). Beside it,
+the same outputs with the draft model drafting a fixed k every round (what a policy that knows nothing of
+the text gets; the same costs, and the two-token draft pass after a round that accepted all).
+
+Prints, per prompt class and over all, tokens per second of target-only and of the oracle on those costs
+(the prompt's prefill, timed, on both sides) and their ratio.
+
+    python bench/oracle.py PAIR_DIR --prompts bench/prompts/prompts.jsonl --prompts bench/prompts/more.jsonl \
+        --prompts bench/prompts/edits.jsonl [--max-new-tokens 128] [--past 300] [--repeats 15] [--table FILE] [--json OUT]
+
+`--table FILE` prices the rounds with a table `bench/ab.py --table FILE` measured (its target column times a
+pass with the last position's logits only; a verify pass computes every position's, which the head's
+arithmetic makes up to ~1 ms dearer at 9 tokens on the 1.5B), so that the bound and a frozen, priced A/B
+share one set of prices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+
+def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, float], float]:
+    """(target seconds by width, draft seconds at one token): medians, widths and the draft interleaved."""
+    rng = np.random.default_rng(0)
+    V = pair.manifest.vocab_size
+    ids = rng.integers(0, V, (1, past + max(widths)))
+    t, d = pair.target, pair.draft
+    t.truncate(0), d.truncate(0)
+    t.forward(ids[:, :past], np.array([past - 1]))
+    d.forward(ids[:, :past], np.array([past - 1]))
+    times = defaultdict(list)
+    for rep in range(repeats + 1):  # the first: a warm-up
+        for w in ["draft", *widths]:
+            e, n = (d, 1) if w == "draft" else (t, w)
+            e.truncate(past)
+            s = time.perf_counter()
+            e.forward(ids[:, past:past + n], np.array([n - 1]) if w == "draft" else np.arange(n))
+            if rep:
+                times[w].append(time.perf_counter() - s)
+    t.truncate(0), d.truncate(0)
+    return {w: statistics.median(times[w]) for w in widths}, statistics.median(times["draft"])
+
+
+def model_tokens(pair, prompt: list[int], out: list[int]) -> tuple[list[int], float]:
+    """(the draft model's greedy token at every output position given the exact prefix [len(out)], the
+    seconds its prompt pass took)."""
+    from specrt.decoding.proposers import greedy_pick
+
+    d, V, ids = pair.draft, pair.manifest.vocab_size, pair.draft_ids
+    d.truncate(0)
+    t0 = time.perf_counter()
+    row = d.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, -1]
+    prefill = time.perf_counter() - t0
+    picks = [greedy_pick(row, ids, V, False)[0]]
+    for tok in out[:-1]:
+        picks.append(greedy_pick(d.forward(np.array([[tok]]), np.array([0]))[0, -1], ids, V, False)[0])
+    d.truncate(0)
+    return picks, prefill
+
+
+def agree(proposal, out: list[int], i: int) -> int:
+    n = 0
+    while n < len(proposal) and i + n < len(out) and int(proposal[n]) == out[i + n]:
+        n += 1
+    return n
+
+
+def cheapest(out: list[int], model: list[int] | None, lookups: list[list], target_s: dict[int, float], draft_s: float,
+             kmax: int) -> float:
+    """Seconds of the cheapest sequence of rounds that emits out[1:] (out[0] comes with the prefill).
+    `model[i]`: the draft model's token at i (None: no model rounds); `lookups[i]`: the lookup proposals
+    at i (token lists). A model round's draft passes are charged one token each (a pass after a round that
+    accepted all reads two: left out, as a bound must)."""
+    n = len(out)
+    run = [0] * (n + 1)  # the model's drafts from i that match, in a row
+    for i in range(n - 1, -1, -1):
+        run[i] = run[i + 1] + 1 if model is not None and model[i] == out[i] else 0
+    best = [0.0] * (n + 1)
+    for i in range(n - 1, 0, -1):
+        options = [target_s[1] + best[i + 1]]
+        for k in range(1, kmax + 1 if model is not None else 1):
+            a = min(run[i], k)
+            options.append(k * draft_s + target_s[k + 1] + best[min(i + a + 1, n)])
+        for prop in lookups[i]:
+            a = agree(prop, out, i)
+            for k in range(1, min(len(prop), kmax) + 1):
+                options.append(target_s[k + 1] + best[min(i + min(a, k) + 1, n)])
+        best[i] = min(options)
+    return best[1]
+
+
+def fixed(out: list[int], model: list[int], target_s: dict[int, float], draft_s: tuple[float, float], k: int) -> float:
+    """Seconds to emit out[1:] drafting k tokens with the draft model every round (no oracle); `draft_s`:
+    a draft pass of one token and of two (the first of a round after a round that accepted all)."""
+    n, i, spent, two = len(out), 1, 0.0, False
+    while i < n:
+        a = 0
+        while a < k and i + a < n and model[i + a] == out[i + a]:
+            a += 1
+        spent += draft_s[two] + (k - 1) * draft_s[0] + target_s[k + 1]
+        i, two = i + a + 1, a == k
+    return spent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pair", type=Path)
+    ap.add_argument("--prompts", action="append", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--past", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--table", type=Path, help="the prices of bench/ab.py's table FILE instead of measuring them")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    import specrt
+    from specrt.apps.bench import read_prompts
+    from specrt.config import SamplingConfig
+    from specrt.decoding.policy import PolicyConfig
+    from specrt.decoding.proposers import History, LookupProposer, SuffixProposer
+
+    pair = specrt.load(args.pair, threads=args.threads)
+    kmax = pair.manifest.max_draft_len
+    prompts = read_prompts(args.prompts, pair)
+    cfg = pair.config(max_new_tokens=args.max_new_tokens, draft_len=0, sampling=SamplingConfig(temperature=0.0))
+    if args.table:  # bench/ab.py's prices: by its widths, interpolated
+        sys.path.insert(0, str(Path(__file__).parent))
+        from ab import Meter
+
+        table = json.loads(args.table.read_text())
+
+        def price(name: str, width: int) -> float:  # as bench/ab.py's Meter.price
+            t, w = table[name], Meter.WIDTHS
+            if width > w[-1]:
+                return t[-1] + (t[-1] - t[-2]) / (w[-1] - w[-2]) * (width - w[-1])
+            return float(np.interp(width, w, t))
+        target_s = {w: price("target", w) for w in range(1, kmax + 2)}
+        draft_s, draft2_s = price("draft", 1), price("draft", 2)
+    else:
+        price = None
+        target_s, draft_s = pass_costs(pair, args.past, args.repeats, range(1, kmax + 2))
+        draft2_s = draft_s
+    print(f"# {' '.join(sys.argv)}")
+    print(f"# target pass ms by width: {' '.join(f'{w}:{s * 1e3:.1f}' for w, s in target_s.items())}; draft step "
+          f"{draft_s * 1e3:.1f} ms (c = {draft_s / target_s[1]:.3f})")
+    history = History()
+    share = PolicyConfig().suffix_share
+    totals = defaultdict(lambda: [0, 0.0, 0.0] + [0.0] * kmax)  # class -> tokens, target-only s, oracle s, model k s
+    rows = []
+    for p in prompts:
+        res = pair.run(p.ids, cfg)
+        out = list(res.tokens) + ([pair.manifest.eos_token_ids[0]] if res.finish_reason == "eos" else [])
+        pair.draft_memory.forget()
+        model, draft_prefill = model_tokens(pair, p.ids, out)
+        lookup, suffix = LookupProposer(), SuffixProposer(history, min_share=share)
+        lookup.start(p.ids), suffix.start(p.ids)
+        seq = list(p.ids) + out
+        lookups = [[] for _ in out]
+        for i in range(1, len(out)):
+            found = {tuple(int(x) for x in f.tokens) for f in (lookup.find(seq[:len(p.ids) + i], kmax),
+                                                                 suffix.find(seq[:len(p.ids) + i], kmax))}
+            lookups[i] = [list(t) for t in found if t]
+        history.add(res.tokens)
+        # the prompt's passes: the target's on both sides, the draft model's where it drafts
+        prefill = price("target", len(p.ids)) if price else res.stats["ttft_s"]
+        draft_prefill = price("draft", len(p.ids)) if price else draft_prefill
+        plain = prefill + (len(out) - 1) * target_s[1]
+        best = prefill + min(cheapest(out, None, lookups, target_s, draft_s, kmax),
+                             draft_prefill + cheapest(out, model, lookups, target_s, draft_s, kmax))
+        n = len(res.tokens)
+        ks = [prefill + draft_prefill + fixed(out, model, target_s, (draft_s, draft2_s), k) for k in range(1, kmax + 1)]
+        for key in (p.kind, "all"):
+            totals[key][0] += n
+            totals[key][1] += plain
+            totals[key][2] += best
+            for k in range(kmax):
+                totals[key][3 + k] += ks[k]
+        rows.append({"prompt": p.id, "class": p.kind, "tokens": n, "target_only_s": plain, "oracle_s": best,
+                     "model_agree": float(np.mean([m == o for m, o in zip(model[1:], out[1:])])) if len(out) > 1 else 0.0})
+        print(f"{p.id:<18} {p.kind:<5} {n:4d} tokens  oracle {plain / best:.2f}x  (draft model right on "
+              f"{rows[-1]['model_agree']:.0%} of positions)", flush=True)
+    print("class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  model drafts k = 1..%d every round" % kmax)
+    summary = {}
+    for key, (n, plain, best, *ks) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
+        summary[key] = {"tokens": n, "target_only_tok_s": n / plain, "oracle_tok_s": n / best, "ratio": plain / best,
+                        "model_fixed_k": {k + 1: plain / t for k, t in enumerate(ks)}}
+        print(f"{key:<7} {n:6d} {n / plain:18.1f} {n / best:13.1f} {plain / best:21.2f}  "
+              + " ".join(f"{plain / t:.2f}" for t in ks))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "target_ms": {w: s * 1e3 for w, s in target_s.items()},
+                                               "draft_ms": draft_s * 1e3, "summary": summary, "prompts": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
