@@ -20,7 +20,7 @@ the same outputs with the draft model drafting a fixed k every round (what a pol
 the text gets; the same costs, and the two-token draft pass after a round that accepted all).
 
 Prints, per prompt class and over all, tokens per second of target-only and of the oracle on those costs
-(the prompt's prefill, timed, on both sides) and their ratio.
+(the prompts' passes, timed or priced, on both sides) and their ratio, and the fixed-k columns.
 
     python bench/oracle.py PAIR_DIR --prompts bench/prompts/prompts.jsonl --prompts bench/prompts/more.jsonl \
         --prompts bench/prompts/edits.jsonl [--max-new-tokens 128] [--past 300] [--repeats 15] [--table FILE] [--json OUT]
@@ -199,11 +199,13 @@ def main() -> None:
             totals[key][2] += best
             for k in range(kmax):
                 totals[key][3 + k] += ks[k]
+        right = float(np.mean([m == o for m, o in zip(model[1:], out[1:])])) if len(out) > 1 else 0.0
         rows.append({"prompt": p.id, "class": p.kind, "tokens": n, "target_only_s": plain, "oracle_s": best,
-                     "model_agree": float(np.mean([m == o for m, o in zip(model[1:], out[1:])])) if len(out) > 1 else 0.0})
+                     "model_agree": right})
         print(f"{p.id:<18} {p.kind:<5} {n:4d} tokens  oracle {plain / best:.2f}x  (draft model right on "
               f"{rows[-1]['model_agree']:.0%} of positions)", flush=True)
-    print("class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  model drafts k = 1..%d every round" % kmax)
+    print(f"class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  model drafts k = 1..{kmax} "
+          "every round")
     summary = {}
     for key, (n, plain, best, *ks) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
         summary[key] = {"tokens": n, "target_only_tok_s": n / plain, "oracle_tok_s": n / best, "ratio": plain / best,
@@ -211,8 +213,9 @@ def main() -> None:
         print(f"{key:<7} {n:6d} {n / plain:18.1f} {n / best:13.1f} {plain / best:21.2f}  "
               + " ".join(f"{plain / t:.2f}" for t in ks))
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "target_ms": {w: s * 1e3 for w, s in target_s.items()},
-                                               "draft_ms": draft_s * 1e3, "summary": summary, "prompts": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary, "prompts": rows,
+                                               "target_ms": {w: t * 1e3 for w, t in target_s.items()},
+                                               "draft_ms": draft_s * 1e3}, indent=1))
 
 
 if __name__ == "__main__":

@@ -311,12 +311,13 @@ def _fuse_glu(graph, inits: dict, folder: Path) -> int:
 
 
 def _fold_norm(graph, inits: dict) -> int:
-    """A root-mean-square norm whose output only Int4MatMuls read (onnxruntime's SkipSimplifiedLayerNormalization
-    without a bias, or SimplifiedLayerNormalization over the last axis; a constant float gamma of K values)
-    becomes their `norm` (kernels/int4.h, rms_norm): each normalizes the rows it quantizes anyway (the slices
-    of a matmul export cut in parts each do it again: a row's norm costs little beside its matmul), and a skip
-    norm's sum (the residual stream) becomes the first one's second output, which the others normalize. A layer runs two nodes fewer. The
-    norm's bits are specrt's own, the same for a row whatever the pass. Returns how many norms were folded."""
+    """A root-mean-square norm whose output only Int4MatMuls read (onnxruntime's
+    SkipSimplifiedLayerNormalization without a bias, or SimplifiedLayerNormalization over the last axis; a
+    constant float gamma of K values) becomes their `norm` (kernels/int4.h, rms_norm): each normalizes the
+    rows it quantizes anyway (the slices of a matmul export cut in parts each do it again: a row's norm costs
+    little beside its matmul), and a skip norm's sum (the residual stream) becomes the first one's second
+    output, which the others normalize. A layer runs two nodes fewer. The norm's bits are specrt's own, the
+    same for a row whatever the pass. Returns how many norms were folded."""
     from onnx import TensorProto, helper
 
     uses, outputs = _uses(graph)
