@@ -775,14 +775,19 @@ def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
     assert "# draft: specrt" in r.stdout and d["ms"]["3"]["pass"] > 0 and d["ms"]["3"]["layer matmuls"] > 0
 
 
-@pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_flags(), reason="bench/stream_ab.cc reads with AVX-512")
-def test_the_stream_tool_runs_the_kernel_beside_a_read(tmp_path):
-    cxx = os.environ.get("CXX", "g++")
+def _plain_library(tmp_path: Path) -> Path:
+    """The kernel library built by hand without its onnxruntime operators (what the bench tools load)."""
     lib = tmp_path / "a.so"
-    r = subprocess.run([cxx, *SOURCES["FLAGS"], "-fPIC", "-shared", f"-I{KERNELS}", "-o", str(lib),
-                        *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n != "ort_op.cc"]],
+    r = subprocess.run([os.environ.get("CXX", "g++"), *SOURCES["FLAGS"], "-fPIC", "-shared", f"-I{KERNELS}", "-o",
+                        str(lib), *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n != "ort_op.cc"]],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    return lib
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_flags(), reason="bench/stream_ab.cc reads with AVX-512")
+def test_the_stream_tool_runs_the_kernel_beside_a_read(tmp_path):
+    cxx, lib = os.environ.get("CXX", "g++"), _plain_library(tmp_path)
     exe = tmp_path / "stream_ab"
     r = subprocess.run([cxx, "-std=c++17", "-O2", "-mavx512f", f"-I{KERNELS}", str(ROOT / "bench" / "stream_ab.cc"),
                         "-ldl", "-pthread", "-o", str(exe)], capture_output=True, text=True)
@@ -796,12 +801,7 @@ def test_the_stream_tool_runs_the_kernel_beside_a_read(tmp_path):
 def test_the_kernel_ab_tool_compares_two_builds(tmp_path):
     """bench/kernel_ab.cc: a library against itself runs at one speed within the noise and gives the same
     bits; bad arguments get a usage line and exit 2."""
-    cxx = os.environ.get("CXX", "g++")
-    lib = tmp_path / "a.so"
-    r = subprocess.run([cxx, *SOURCES["FLAGS"], "-fPIC", "-shared", f"-I{KERNELS}", "-o", str(lib),
-                        *[str(KERNELS / n) for n in SOURCES["SOURCES"] if n != "ort_op.cc"]],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    cxx, lib = os.environ.get("CXX", "g++"), _plain_library(tmp_path)
     exe = tmp_path / "kernel_ab"
     r = subprocess.run([cxx, "-std=c++17", "-O2", str(ROOT / "bench" / "kernel_ab.cc"), "-ldl", "-pthread", "-o", str(exe)],
                        capture_output=True, text=True)

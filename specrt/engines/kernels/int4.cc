@@ -144,22 +144,15 @@ void release(Packed* w) {
 
 void rms_norm(const float* a, const float* skip, const float* gamma, float eps, int K, float* sum, float* y) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= K; i += 8)
-    for (int j = 0; j < 8; ++j) {
-      const float s = skip ? a[i + j] + skip[i + j] : a[i + j];
-      y[i + j] = s;
-      part[j] += s * s;
-    }
-  for (int j = 0; i + j < K; ++j) {
-    const float s = skip ? a[i + j] + skip[i + j] : a[i + j];
-    y[i + j] = s;
-    part[j] += s * s;
+  for (int i = 0; i < K; ++i) {
+    const float s = skip ? a[i] + skip[i] : a[i];
+    y[i] = s;
+    part[i & 7] += s * s;
   }
   if (sum) memcpy(sum, y, (size_t)K * sizeof(float));
   const float total = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
   const float inv = 1.0f / std::sqrt(total / (float)K + eps);
-  for (i = 0; i < K; ++i) y[i] = y[i] * inv * gamma[i];
+  for (int i = 0; i < K; ++i) y[i] = y[i] * inv * gamma[i];
 }
 
 void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out) {
