@@ -90,7 +90,17 @@ def save_tokenizer(src: Source, out: Path) -> Path:
     return out / "tokenizer.json"
 
 
+def open_tensors(src: Source):
+    """The checkpoint's tensors, read one at a time (export/weights.py)."""
+    from specrt.export import weights
+
+    if src.kind == "gguf":
+        return weights.open_gguf(src.folder / src.gguf_file)
+    return weights.open_safetensors(src.folder)
+
+
 def load_model(src: Source, dtype: str = "float32"):
+    """The whole model through transformers and torch (the traced export, export/traced.py)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

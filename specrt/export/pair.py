@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import glob
 import json
-import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ import numpy as np
 from specrt import host
 from specrt.engines import trt
 from specrt.errors import ExportError, first_line
-from specrt.export import load, trt_build
+from specrt.export import builder, load, traced, trt_build
 from specrt.export import vocab as draft_vocab
-from specrt.export.graph import SUPPORTED_MODEL_TYPES
+from specrt.export.builder import FAMILIES as SUPPORTED_MODEL_TYPES
 from specrt.export.progress import QUIET, Progress, hash_files
+from specrt.export.quant import SLICE_ROWS
 from specrt.manifest import FORMAT_NAME, MANIFEST_NAME, MAX_DRAFT_LEN, Manifest, ModelEntry, write_manifest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -52,6 +52,9 @@ class ExportConfig:
     draft_vocab: int = 0  # > 0: keep only this many output ids in the draft (export/vocab.py)
     draft_vocab_texts: tuple[Path, ...] = ()  # calibration texts for draft_vocab (default: Python's stdlib)
     portable: bool = False  # the standard-op graph (graph.PortableDecoder; implied by tensorrt) instead of the lean one
+    # the lean graph traced through torch (export/traced.py) instead of written by the graph builder: the whole
+    # model in memory; the portable graph is always traced
+    trace: bool = False
     # lean graphs: GroupQueryAttention's query_seqlens input (onnxruntime >= 1.32: several multi-token rows
     # in one call); None = whether the onnxruntime exporting has it
     query_seqlens: bool | None = None
@@ -72,6 +75,11 @@ class ExportConfig:
     @property
     def graph(self) -> str:
         return "portable" if self.portable or self.engine == "tensorrt" else "lean"
+
+    @property
+    def traced(self) -> bool:
+        """Whether the models go through torch (export/traced.py) rather than the graph builder."""
+        return self.trace or self.graph == "portable"
 
     def __post_init__(self):
         if self.precision not in ("fp32", "fp16", "int4"):
@@ -145,13 +153,9 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
             a, b = out.resolve(), src.folder.resolve()
             if a == b or a in b.parents or b in a.parents:
                 raise ExportError(f"--out {out} overlaps the {role} source {src.folder}; choose a separate folder")
-        configs = {r: load.load_config(s) for r, s in sources.items()}
-        for role, c in configs.items():
-            if c.model_type not in SUPPORTED_MODEL_TYPES:
-                raise ExportError(f"{role} model type {c.model_type!r} is not supported; "
-                                  f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        configs = _configs(sources, cfg)
         toks = {r: load.save_tokenizer(s, tmp / f"tok-{r}") for r, s in sources.items()}
-        preflight(configs, tmp, cfg.precision)
+        preflight(configs, tmp, cfg)
         if cfg.engine == "tensorrt":
             trt.require_tensorrt()  # before minutes of export: fail now if the engines cannot be built here
         widths = {r: int(c.vocab_size) for r, c in configs.items()}
@@ -277,24 +281,65 @@ def param_count(c) -> int:
     return embed + layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
 
 
-def preflight(configs: dict, folder: Path, precision: str) -> None:
-    """Refuse before hours of work when disk or memory cannot hold the export.
+def estimate(configs: dict, cfg: ExportConfig) -> tuple[int, int]:
+    """(peak memory, disk) the export needs, in bytes, from the models' configs alone.
 
-    Measured on the Qwen2.5-Coder pair: peak RSS ~1.6x the fp32 weights of the larger model (the
-    GGUF loader's dequantization plus the exporter's copy); disk holds the fp32 graphs, and int4
-    needs room for the fp32 graph and its quantized copy at once.
+    The graph builder holds the process's base and the weight it is writing (export/builder.py,
+    `working_bytes`); the graphs take their weights' bytes on disk. The traced path, measured on the
+    Qwen2.5-Coder pair: peak RSS ~1.6x the fp32 weights of the larger model (the GGUF loader's dequantization
+    plus the exporter's copy); disk holds the fp32 graphs, and int4 needs room for the fp32 graph and its
+    quantized copy at once.
     """
     fp32 = {r: 4 * param_count(c) for r, c in configs.items()}
-    need_disk = sum(fp32.values()) * (1.0 if precision == "fp32" else 0.5) + max(fp32.values()) * 0.4
+    if cfg.traced:
+        disk = sum(fp32.values()) * (1.0 if cfg.precision == "fp32" else 0.5) + max(fp32.values()) * 0.4
+        return int(1.6 * max(fp32.values())), int(disk)
+    per_weight = {"fp32": 1.0, "fp16": 0.5, "int4": 0.16}[cfg.precision]  # int4: 4 bits, scales and zero points
+    work = max(builder.working_bytes(builder.Shape.of(c), cfg.dtype, cfg.precision == "int4") for c in configs.values())
+    return builder.BASE_BYTES + work, int(sum(fp32.values()) * per_weight * 1.05)
+
+
+def preflight(configs: dict, folder: Path, cfg: ExportConfig) -> None:
+    """Refuse before hours of work when disk or memory cannot hold the export."""
+    need_mem, need_disk = estimate(configs, cfg)
     free_disk = shutil.disk_usage(folder).free
     if need_disk > free_disk:
         raise ExportError(f"not enough disk in {folder.parent}: the export needs about {need_disk / 1e9:.1f} GB, "
                           f"{free_disk / 1e9:.1f} GB are free")
-    need_mem = 1.6 * max(fp32.values())
     avail = _mem_available()
     if avail is not None and need_mem > avail:
-        raise ExportError(f"not enough memory: exporting needs about {need_mem / 1e9:.1f} GB, "
+        hint = "" if cfg.traced else " (one layer at a time already)"
+        raise ExportError(f"not enough memory: exporting needs about {need_mem / 1e9:.1f} GB{hint}, "
                           f"{avail / 1e9:.1f} GB are available; close other programs or use a machine with more memory")
+
+
+def dry_run(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> tuple[int, int]:
+    """What `export_pair(cfg)` would need, said in lines to `log`, writing nothing: (peak memory, disk) in
+    bytes. Known model names are fetched (their configs are in the files)."""
+    roles = {"target": cfg.target} | ({"draft": cfg.draft} if cfg.draft else {})
+    configs = _configs({r: load.resolve(s, progress=progress.on) for r, s in roles.items()}, cfg)
+    for role, c in configs.items():
+        log(f"{role}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{param_count(c) / 1e9:.2f} B parameters")
+    need_mem, need_disk = estimate(configs, cfg)
+    avail, free = _mem_available(), shutil.disk_usage(Path(cfg.out).resolve().parent if Path(cfg.out).resolve().parent.exists() else Path.cwd()).free
+    how = "traced through torch" if cfg.traced else "written layer by layer"
+    log(f"export ({how}, {cfg.precision}): peak memory about {need_mem / 1e9:.1f} GB"
+        + (f" ({avail / 1e9:.1f} GB available)" if avail is not None else "")
+        + f", disk about {need_disk / 1e9:.1f} GB ({free / 1e9:.1f} GB free)")
+    return need_mem, need_disk
+
+
+def _configs(sources: dict, cfg: ExportConfig) -> dict:
+    """The models' configs, refused early where no export path writes them."""
+    configs = {r: load.load_config(s) for r, s in sources.items()}
+    for role, c in configs.items():
+        if c.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ExportError(f"{role} model type {c.model_type!r} is not supported; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if not cfg.traced:
+            builder.Shape.of(c)  # what the builder does not write is refused now, naming --trace
+    return configs
 
 
 _mem_available = host.available_bytes  # bytes, None when unknown; $SPECRT_MEM_AVAILABLE_BYTES overrides it
@@ -348,44 +393,17 @@ def draft_vocab_ids(cfg: ExportConfig, tokenizer_file: Path, vocab: int, always,
 
 
 def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None, progress: Progress = QUIET) -> ModelEntry:
-    """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked.
-    `output_ids`: keep only these rows of the output matrix (a restricted draft vocabulary)."""
+    """Export one checkpoint to `folder/model.onnx` (+ external data), quantized if asked: written by the graph
+    builder, or traced through torch (`cfg.traced`). `output_ids`: keep only these rows of the output matrix
+    (a restricted draft vocabulary)."""
     import onnx
 
-    from specrt.export import graph  # torch (the export extra): imported when a model is exported
-
     folder.mkdir()
-    with progress.step("loading"):
-        model = load.load_model(src, cfg.dtype)
     path = folder / "model.onnx"
-    with progress.step("tracing"):
-        if cfg.graph == "lean":
-            q_lens = graph.gqa_has_query_seqlens() if cfg.query_seqlens is None else cfg.query_seqlens
-            # rotary tables for every position a cache holds: batch caches have max_draft_len + 1 slots spare
-            wrapper = graph.export_lean(model, path, cfg.max_len + cfg.max_draft_len + 1, output_ids, q_lens)
-        else:
-            wrapper = graph.export_portable(model, path, cfg.max_len, output_ids)
-    spec = dict(model_type=model.config.model_type, num_layers=wrapper.num_layers,
-                num_kv_heads=wrapper.num_kv_heads, head_dim=wrapper.head_dim, hidden_size=int(model.config.hidden_size),
-                intermediate_size=int(model.config.intermediate_size),
-                logits_width=int(model.config.vocab_size) if output_ids is None else len(output_ids))
-    del model, wrapper
-    gc.collect()
-    _consolidate(path, progress)
-    quant = embedding = None
-    if cfg.precision == "int4":
-        quant = quantize_int4(path, cfg.block_size, cfg.accuracy_level, cfg.symmetric, progress)
-    sliced = cfg.precision == "int4" and cfg.dtype == "float32"  # a CPU graph (on a GPU: more launches a pass)
-    if sliced or cfg.embedding:  # both edits in memory, one write
-        with progress.step("quantizing the embeddings" if cfg.embedding else "slicing the output matrix"):
-            proto = onnx.load(str(path))
-            if sliced:
-                slice_wide_matmuls(proto)
-            if cfg.embedding:
-                embedding = quantize_embedding(proto, path, cfg.embedding, cfg.embedding_block_size)
-        with progress.step("writing"):
-            _save(proto, path)
-        del proto
+    if cfg.traced:
+        spec, quant, embedding = traced.trace(src, path, cfg, output_ids, progress)
+    else:
+        spec, quant, embedding = _build(src, path, cfg, output_ids, progress)
     if output_ids is not None:
         np.save(folder / "output_ids.npy", np.asarray(output_ids, np.int64))
         spec["output_ids"] = "output_ids.npy"
@@ -412,158 +430,27 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None, progress
                       weights=weight_bytes(proto, path.parent), **spec)
 
 
-def _consolidate(path: Path, progress: Progress = QUIET) -> None:
-    """One external-data file per graph (the exporter may scatter one file per tensor)."""
-    import onnx
+def _build(src, path: Path, cfg: ExportConfig, output_ids, progress: Progress) -> tuple[dict, dict | None, dict | None]:
+    """The lean graph written by export/builder.py: (the manifest's model fields, the weights' quantization,
+    the embedding's)."""
+    from specrt.engines.ort import gqa_has_query_seqlens
 
-    if any(p != path for p in path.parent.iterdir()):
-        with progress.step("writing"):
-            _save(onnx.load(str(path)), path)
-
-
-def _save(proto, path: Path) -> None:
-    """Write a graph (in memory) with its tensors in one external-data file, replacing what its folder held."""
-    import onnx
-
-    for p in path.parent.iterdir():
-        p.unlink()
-    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024)
-
-
-def quantize_int4(path: Path, block_size: int, accuracy_level: int, symmetric: bool = True,
-                  progress: Progress = QUIET) -> dict:
-    """Weight-only int4 (onnxruntime's MatMulNBits) for every MatMul with a constant weight."""
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    model = onnx.load(str(path))
-    algo = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level)
-    q = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level,
-                             algo_config=algo)
-    matmuls = sum(n.op_type in algo.op_types_to_quantize for n in model.graph.node)
-    with progress.step("quantizing", total=matmuls, unit="node") as advance:
-        quantize = q.node_quantizer.quantize  # the quantizer offers no progress hook: count the nodes it is given
-
-        def counted(node, graph_stack):
-            nodes = quantize(node, graph_stack)
-            advance(1)
-            return nodes
-
-        q.node_quantizer.quantize = counted
-        q.process()
-    del model
-    with progress.step("writing"):
-        for p in path.parent.iterdir():
-            p.unlink()
-        q.model.save_model_to_file(str(path), use_external_data_format=True)
-        _consolidate(path)
-    return {"method": "MatMulNBits", "bits": 4, "block_size": block_size, "accuracy_level": accuracy_level,
-            "symmetric": symmetric}
-
-
-# onnxruntime reads a MatMulNBits weight from the mapped file while it prepacks it, so loading holds a weight
-# twice for a moment: the output matrix (151936 x 1536 in int4, 117 MB) raised a target-only process's peak
-# by 110 MB above what it holds after loading. Slices of at most this many output rows bound that to ~25 MB;
-# each output column is the same dot product, so the logits are unchanged bit for bit (tests/test_export.py),
-# as long as slices start on the kernels' column tiles (a width of 133 changed them at accuracy level 0).
-SLICE_ROWS = 32768
-
-
-def slice_wide_matmuls(model, rows: int = SLICE_ROWS) -> int:
-    """Split every MatMulNBits of `model` (a ModelProto, edited in place) with more than `rows` output columns
-    into slices of `rows` joined by a Concat on the last axis; returns how many were split."""
-    from onnx import helper, numpy_helper
-
-    if rows % 64:
-        raise ValueError(f"slices of {rows} rows would not start on the kernels' column tiles: use a multiple of 64")
-    inits = {t.name: t for t in model.graph.initializer}
-    uses: dict[str, int] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            uses[i] = uses.get(i, 0) + 1
-    wide = [n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) <= 4
-            and helper.get_attribute_value(next(a for a in n.attribute if a.name == "N")) > rows
-            and all(i in inits and uses[i] == 1 for i in n.input[1:] if i)]  # weights of this op alone
-    for node in wide:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        N = attrs["N"]
-        parts = [numpy_helper.to_array(inits[i]) if i else None for i in node.input[1:]]
-        parts = [None if a is None else a.reshape(N, -1) for a in parts]  # per output row: B, scales, zero points
-        outs, at = [], list(model.graph.node).index(node)
-        for j, lo in enumerate(range(0, N, rows)):
-            hi = min(lo + rows, N)
-            names = [node.input[0]]
-            for i, a in zip(node.input[1:], parts):
-                if a is None:
-                    names.append("")
-                    continue
-                init = inits[i]
-                shape = [hi - lo] + list(init.dims[1:]) if len(init.dims) > 1 else [(hi - lo) * a.shape[1]]
-                names.append(f"{i}_rows{lo}")
-                model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(a[lo:hi]).reshape(shape), names[-1]))
-            out = f"{node.output[0]}_rows{lo}"
-            model.graph.node.insert(at + j, helper.make_node("MatMulNBits", names, [out], name=f"{node.name}_rows{lo}",
-                                                             domain=node.domain, **{**attrs, "N": hi - lo}))
-            outs.append(out)
-        model.graph.node.insert(at + len(outs), helper.make_node("Concat", outs, list(node.output), axis=-1,
-                                                                 name=f"{node.name}_concat"))
-        model.graph.node.remove(node)
-        for i in node.input[1:]:
-            if i and i in inits:
-                model.graph.initializer.remove(inits.pop(i))
-    return len(wide)
-
-
-def quantize_blocks(table, bits: int, block_size: int):
-    """Asymmetric weight-only quantization of a [V, H] table along H in blocks: (data, scales, zero_points)
-    as com.microsoft GatherBlockQuantized (and MatMulNBits) read them, two 4-bit values a byte low nibble
-    first. Scales keep the table's float type."""
-    V, H = table.shape
-    top = (1 << bits) - 1
-    blocks = table.astype(np.float32).reshape(V, H // block_size, block_size)
-    lo, hi = np.minimum(blocks.min(-1), 0), np.maximum(blocks.max(-1), 0)  # 0 stays exact
-    scale = np.maximum((hi - lo) / top, np.finfo(np.float32).tiny)
-    zero = np.clip(np.round(-lo / scale), 0, top).astype(np.uint8)
-    q = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, top).astype(np.uint8).reshape(V, H)
-    if bits == 4:
-        q = q[:, 0::2] | (q[:, 1::2] << 4)
-        packed = np.zeros((V, (zero.shape[1] + 1) // 2), np.uint8)
-        packed[:] = zero[:, 0::2]
-        packed[:, : zero.shape[1] // 2] |= zero[:, 1::2] << 4
-        zero = packed
-    return q, scale.astype(table.dtype), zero
-
-
-def quantize_embedding(model, path: Path, bits: int, block_size: int) -> dict:
-    """The input embedding (the Gather of a constant [V, H] table) of `model` (a ModelProto, edited in place;
-    read from `path`) as com.microsoft GatherBlockQuantized: weight-only, per block of `block_size` along H;
-    a pass reads only the rows of its tokens."""
-    from onnx import helper, numpy_helper
-
-    inits = {t.name: t for t in model.graph.initializer}
-    nodes = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in inits
-             and len(inits[n.input[0]].dims) == 2]
-    if len(nodes) != 1:
-        raise ExportError(f"{path} has {len(nodes)} constant embedding tables, expected one")
-    node = nodes[0]
-    table = numpy_helper.to_array(inits[node.input[0]])
-    if table.shape[1] % block_size:
-        raise ExportError(f"embedding width {table.shape[1]} is not a multiple of the block size {block_size}")
-    data, scales, zero = quantize_blocks(table, bits, block_size)
-    name = node.input[0]
-    model.graph.initializer.remove(inits[name])
-    model.graph.initializer.extend([numpy_helper.from_array(data, name + "_q"),
-                                    numpy_helper.from_array(scales, name + "_scales"),
-                                    numpy_helper.from_array(zero, name + "_zero_points")])
-    quantized = helper.make_node("GatherBlockQuantized", [name + "_q", node.input[1], name + "_scales", name + "_zero_points"],
-                                 list(node.output), name=node.name + "_q", domain="com.microsoft", gather_axis=0,
-                                 quantize_axis=1, block_size=block_size, bits=bits)
-    at = list(model.graph.node).index(node)
-    model.graph.node.remove(node)
-    model.graph.node.insert(at, quantized)
-    return {"op": "GatherBlockQuantized", "bits": bits, "block_size": block_size, "symmetric": False}
+    shape = builder.Shape.of(load.load_config(src))
+    int4 = cfg.precision == "int4"
+    opts = builder.Options(
+        dtype=cfg.dtype, int4=int4, block_size=cfg.block_size, accuracy_level=cfg.accuracy_level,
+        symmetric=cfg.symmetric, embedding_bits=cfg.embedding, embedding_block_size=cfg.embedding_block_size,
+        query_seqlens=gqa_has_query_seqlens() if cfg.query_seqlens is None else cfg.query_seqlens,
+        # rotary tables for every position a cache holds: batch caches have max_draft_len + 1 slots spare
+        positions=cfg.max_len + cfg.max_draft_len + 1,
+        slice_rows=SLICE_ROWS if int4 and cfg.dtype == "float32" else 0)  # a CPU graph (on a GPU: more launches)
+    embedding = builder.build_lean(load.open_tensors(src), shape, path, opts, output_ids, progress)
+    quant = ({"method": "MatMulNBits", "bits": 4, "block_size": cfg.block_size, "accuracy_level": cfg.accuracy_level,
+              "symmetric": cfg.symmetric} if int4 else None)
+    spec = dict(model_type=shape.model_type, num_layers=shape.layers, num_kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                logits_width=shape.vocab if output_ids is None else len(output_ids))
+    return spec, quant, embedding
 
 
 def weight_bytes(proto, folder: Path) -> dict:
