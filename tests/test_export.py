@@ -396,7 +396,7 @@ def test_sliced_output_matrix_gives_the_same_logits(request, tmp_path, which, mo
 
     monkeypatch.setattr(int4, "_fuse_glu", lambda *a: 0)
 
-    from specrt.export.pair import _save, slice_wide_matmuls
+    from specrt.export.traced import _save, slice_wide_matmuls
 
     d = request.getfixturevalue(which)
     m = read_manifest(d)
@@ -438,7 +438,7 @@ def test_quantized_embedding_matches_its_reference(tmp_path):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from specrt.export.pair import quantize_blocks
+    from specrt.export.quant import quantize_blocks
 
     table = np.random.default_rng(0).standard_normal((50, 64)).astype(np.float32)
     for bits, tol in ((4, 0.25), (8, 0.015)):

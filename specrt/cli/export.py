@@ -23,7 +23,13 @@ DEFAULT_DRAFT_VOCAB = 49152  # --draft-vocab for a pair with a draft (README: fa
                    "onnxruntime's CUDA provider; --precision int4 --activations fp16 is int4 for an edge GPU.")
 @click.option("--portable", is_flag=True,
               help="The standard-op graph TensorRT builds from (implied by --engine tensorrt) instead of the "
-                   "lean onnxruntime graph.")
+                   "lean onnxruntime graph. It is traced through torch, as --trace: the whole model in memory.")
+@click.option("--trace", is_flag=True,
+              help="Trace the model through torch (the older exporter: needs torch, about 4x the fp32 weights in "
+                   "memory) instead of writing the lean graph layer by layer; for models the graph builder refuses.")
+@click.option("--dry-run", "dry_run", is_flag=True,
+              help="Print the models' sizes and the memory and disk the export needs, and stop (known model "
+                   "names are fetched first).")
 @click.option("--no-query-seqlens", "no_query_seqlens", is_flag=True,
               help="Lean graphs for onnxruntime < 1.32 (onnxruntime-gpu 1.31, say): batched multi-token passes "
                    "then run row by row. Default: whatever the onnxruntime exporting supports.")
@@ -54,11 +60,11 @@ DEFAULT_DRAFT_VOCAB = 49152  # --draft-vocab for a pair with a draft (README: fa
 @click.option("--draft-vocab-text", "draft_vocab_texts", type=click.Path(path_type=Path), multiple=True,
               help="Calibration text for --draft-vocab (repeatable; default: Python's standard library sources).")
 @errors
-def export(target, draft, out, precision, activations, portable, no_query_seqlens, engine, prefill_chunk, max_draft_len,
+def export(target, draft, out, precision, activations, portable, trace, dry_run, no_query_seqlens, engine, prefill_chunk, max_draft_len,
            max_len, block_size, accuracy_level, embedding_bits, embedding_block_size, asymmetric, draft_vocab,
            draft_vocab_texts, overwrite, quiet):
     """Export a draft and a target checkpoint to one ONNX pair folder."""
-    from specrt.export.pair import ExportConfig, export_pair
+    from specrt.export.pair import ExportConfig, dry_run as plan, export_pair
     from specrt.export.progress import Progress
 
     if draft_vocab is None:
@@ -66,9 +72,13 @@ def export(target, draft, out, precision, activations, portable, no_query_seqlen
     cfg = ExportConfig(target=target, draft=draft, out=out, precision=precision, max_len=max_len,
                        max_draft_len=max_draft_len, block_size=block_size, accuracy_level=accuracy_level,
                        symmetric=not asymmetric, draft_vocab=draft_vocab, draft_vocab_texts=tuple(draft_vocab_texts),
-                       portable=portable, engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite,
+                       portable=portable, trace=trace, engine=engine, prefill_chunk=prefill_chunk, overwrite=overwrite,
                        activations=activations or "", query_seqlens=False if no_query_seqlens else None,
                        embedding_bits=None if embedding_bits is None else int(embedding_bits),
                        embedding_block_size=embedding_block_size)
-    m = export_pair(cfg, log=log, progress=Progress(None if quiet or not sys.stderr.isatty() else sys.stderr))
+    progress = Progress(None if quiet or not sys.stderr.isatty() else sys.stderr)
+    if dry_run:
+        plan(cfg, log=click.echo, progress=progress)  # the answer: stdout
+        return
+    m = export_pair(cfg, log=log, progress=progress)
     click.echo(f"wrote {out} (vocab {m.vocab_size}, max_len {m.max_len}, max_draft_len {m.max_draft_len})", err=True)

@@ -61,9 +61,19 @@ def _download_from_hub(repo_id: str) -> Path:
                           "pass a local model folder or GGUF file instead") from None
 
 
+def _gguf_reader_needs_torch(src: Source) -> None:
+    """transformers 5.x reads a GGUF's metadata (config, tokenizer) with a module that imports torch."""
+    import importlib.util
+
+    if src.kind == "gguf" and importlib.util.find_spec("torch") is None:
+        raise ExportError(f"reading the tokenizer and config of the GGUF {src.spec} goes through transformers, whose "
+                          "GGUF reader needs torch: pip install 'specrt[trace]' (or torch)")
+
+
 def load_config(src: Source):
     from transformers import AutoConfig
 
+    _gguf_reader_needs_torch(src)
     try:
         return AutoConfig.from_pretrained(src.folder, **src.kwargs())
     except Exception as e:
@@ -80,6 +90,7 @@ def save_tokenizer(src: Source, out: Path) -> Path:
     else:
         from transformers import AutoTokenizer
 
+        _gguf_reader_needs_torch(src)
         try:
             tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
         except Exception as e:

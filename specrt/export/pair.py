@@ -322,7 +322,10 @@ def dry_run(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> tuple[i
         log(f"{role}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
             f"{param_count(c) / 1e9:.2f} B parameters")
     need_mem, need_disk = estimate(configs, cfg)
-    avail, free = _mem_available(), shutil.disk_usage(Path(cfg.out).resolve().parent if Path(cfg.out).resolve().parent.exists() else Path.cwd()).free
+    where = Path(cfg.out).resolve()
+    while not where.exists():  # the nearest folder that exists holds what --out will
+        where = where.parent
+    avail, free = _mem_available(), shutil.disk_usage(where).free
     how = "traced through torch" if cfg.traced else "written layer by layer"
     log(f"export ({how}, {cfg.precision}): peak memory about {need_mem / 1e9:.1f} GB"
         + (f" ({avail / 1e9:.1f} GB available)" if avail is not None else "")
