@@ -91,7 +91,7 @@ def test_no_specrt_imports_inside_functions_but_the_clis():
             continue
         lines = f.read_text().splitlines()
         for node, name, top in _imports(ast.parse(f.read_text()), mod):
-            if name.startswith("specrt") and not top and "(the export extra)" not in lines[node.lineno - 1]:
+            if name.startswith("specrt") and not top and "(the trace extra)" not in lines[node.lineno - 1]:
                 bad.append(f"{mod} line {node.lineno}: {lines[node.lineno - 1].strip()}")
     assert bad == []
 

@@ -85,9 +85,10 @@ def inverse_frequencies(shape: Shape) -> np.ndarray:
     elif r["rope_type"] == "llama3":
         factor, low, high = (np.float32(r[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
         context = np.float32(r["original_max_position_embeddings"])
-        wavelen = np.float32(2 * math.pi) / inv
+        # a number over a tensor is, in torch, the number times the tensor's reciprocal: the same bits here
+        wavelen = np.float32(2 * math.pi) * (np.float32(1) / inv)
         scaled = np.where(wavelen > context / low, inv / factor, inv)
-        smooth = (context / wavelen - low) / (high - low)
+        smooth = (context * (np.float32(1) / wavelen) - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < context / high) & ~(wavelen > context / low)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
@@ -98,7 +99,9 @@ def rotary_tables(shape: Shape, positions: int, dtype) -> tuple[np.ndarray, np.n
     """cos and sin [positions, D/2] of GroupQueryAttention: the angles in float32 as transformers forms them,
     their cosines and sines rounded from float64 (within one float32 step of torch's)."""
     angles = np.arange(positions, dtype=np.float32)[:, None] * inverse_frequencies(shape)[None]
-    return (np.cos(angles.astype(np.float64)).astype(dtype), np.sin(angles.astype(np.float64)).astype(dtype))
+    wide = angles.astype(np.float64)
+    # through float32 as torch's tables go, so an fp16 graph's tables are float32's rounded once more
+    return np.cos(wide).astype(np.float32).astype(dtype), np.sin(wide).astype(np.float32).astype(dtype)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import ExportError, first_line
+from specrt.export import weights
 from specrt.export.fetch import KNOWN_MODELS, fetch_model
 
 
@@ -103,8 +104,6 @@ def save_tokenizer(src: Source, out: Path) -> Path:
 
 def open_tensors(src: Source):
     """The checkpoint's tensors, read one at a time (export/weights.py)."""
-    from specrt.export import weights
-
     if src.kind == "gguf":
         return weights.open_gguf(src.folder / src.gguf_file)
     return weights.open_safetensors(src.folder)

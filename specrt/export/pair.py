@@ -20,6 +20,7 @@ import numpy as np
 
 from specrt import host
 from specrt.engines import trt
+from specrt.engines.ort import gqa_has_query_seqlens
 from specrt.errors import ExportError, first_line
 from specrt.export import builder, load, traced, trt_build
 from specrt.export import vocab as draft_vocab
@@ -436,8 +437,6 @@ def export_model(src, folder: Path, cfg: ExportConfig, output_ids=None, progress
 def _build(src, path: Path, cfg: ExportConfig, output_ids, progress: Progress) -> tuple[dict, dict | None, dict | None]:
     """The lean graph written by export/builder.py: (the manifest's model fields, the weights' quantization,
     the embedding's)."""
-    from specrt.engines.ort import gqa_has_query_seqlens
-
     shape = builder.Shape.of(load.load_config(src))
     int4 = cfg.precision == "int4"
     opts = builder.Options(

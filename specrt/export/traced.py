@@ -26,7 +26,7 @@ def trace(src, path: Path, cfg, output_ids=None, progress: Progress = QUIET) -> 
     import onnx
 
     try:
-        from specrt.export import graph  # torch: the `trace` extra
+        from specrt.export import graph  # torch (the trace extra): imported when a model is traced
     except ImportError as e:
         raise ExportError(f"this export traces the model with torch, which is not installed ({e}); "
                           "pip install 'specrt[trace]'") from None
