@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install specrt with its export, trace, test, ray, serve and plots extras into the current Python (a virtual
-# environment's, when one is active). torch is installed first, pinned to the CPU build that lies on this
-# machine kind's disk, so that the unpinned `torch>=2.4` of the trace extra never pulls a multi-GB CUDA build.
+# environment's, when one is active). torch (the trace extra's, pinned to 2.13.0) is installed first, on its own,
+# so that pip picks the CPU build that lies on this machine kind's disk and never pulls a multi-GB CUDA build.
+# `pip install 'specrt[export]'` alone (Hugging Face folders and GGUF files, no torch) needs none of this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
