@@ -35,6 +35,14 @@ def hf_tiny(work) -> dict[str, tuple[Path, Path]]:
 
 
 @pytest.fixture(scope="session")
+def hf_families(hf_tiny, work) -> dict[str, tuple[Path, Path]]:
+    """hf_tiny and the tiny Qwen3 and Mistral pairs: every family the graph builder writes."""
+    from specrt.export.tiny import make_tiny_pair
+
+    return {**hf_tiny, **{mt: make_tiny_pair(work / f"hf-{mt}", model_type=mt) for mt in ("qwen3", "mistral")}}
+
+
+@pytest.fixture(scope="session")
 def torch_models(hf_tiny) -> dict:
     """{(model_type, role): transformers model} of the tiny HF folders, for reference forwards."""
     import torch

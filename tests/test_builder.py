@@ -14,19 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 import specrt
+from _gguf import write_gguf
 from _helpers import export
 from specrt.errors import ExportError
 from specrt.manifest import read_manifest
 
 FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
 F32_STEP = float(np.finfo(np.float32).eps)  # one float32 step at 1: the rotary tables' largest difference
-
-
-@pytest.fixture(scope="module")
-def hf_families(hf_tiny, work) -> dict[str, tuple[Path, Path]]:
-    from specrt.export.tiny import make_tiny_pair
-
-    return {**hf_tiny, **{mt: make_tiny_pair(work / f"hf-{mt}", model_type=mt) for mt in ("qwen3", "mistral")}}
 
 
 def _weights(path: Path):
@@ -102,41 +96,6 @@ def test_builder_writes_the_traced_pair(hf_families, tmp_path, family, precision
             assert pb.run(prompt, pb.config(**cfg)).tokens == pt.run(prompt, pt.config(**cfg)).tokens
 
 
-def _llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
-    """q/k rows as llama.cpp's converter stores them for its rotary layout (the inverse of what the reader undoes)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_gguf(path: Path, arch: str, model) -> dict[str, np.ndarray]:
-    """`model`'s tensors as a GGUF of `arch` (2-D weights Q8_0, the rest F32); returns the HF tensors."""
-    import gguf
-
-    from specrt.export.weights import _gguf_names
-
-    c = model.config
-    hf = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    for name, hf_name in _gguf_names(c.num_hidden_layers).items():
-        if hf_name not in hf:
-            continue
-        w = hf[hf_name]
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            w = _llama_cpp_order(w, c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads)
-        if w.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return hf
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_gguf_tensors_read_as_transformers_loads_them(torch_models, tmp_path, arch):
     """Each tensor dequantized by gguf, llama's q and k put back in Hugging Face order as transformers' GGUF
@@ -147,7 +106,7 @@ def test_gguf_tensors_read_as_transformers_loads_them(torch_models, tmp_path, ar
     from specrt.export.weights import _gguf_names, open_gguf
 
     model = torch_models[(arch, "target")]
-    hf = _write_gguf(tmp_path / "m.gguf", arch, model)
+    hf = write_gguf(tmp_path / "m.gguf", arch, model)
     tensors = open_gguf(tmp_path / "m.gguf")
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
     c = model.config

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import ExportError, first_line
-from specrt.export import weights
+from specrt.export import gguf_meta, weights
 from specrt.export.fetch import KNOWN_MODELS, fetch_model
 
 
@@ -62,21 +62,15 @@ def _download_from_hub(repo_id: str) -> Path:
                           "pass a local model folder or GGUF file instead") from None
 
 
-def _gguf_reader_needs_torch(src: Source) -> None:
-    """transformers 5.x reads a GGUF's metadata (config, tokenizer) with a module that imports torch."""
-    import importlib.util
-
-    if src.kind == "gguf" and importlib.util.find_spec("torch") is None:
-        raise ExportError(f"reading the tokenizer and config of the GGUF {src.spec} goes through transformers, whose "
-                          "GGUF reader needs torch: pip install 'specrt[trace]' (or torch)")
-
-
 def load_config(src: Source):
-    from transformers import AutoConfig
-
-    _gguf_reader_needs_torch(src)
+    """The model's transformers config: config.json of a Hugging Face folder, or a GGUF's metadata (read without
+    torch, export/gguf_meta.py)."""
     try:
-        return AutoConfig.from_pretrained(src.folder, **src.kwargs())
+        if src.kind == "gguf":
+            return gguf_meta.config(gguf_meta.read(src.folder / src.gguf_file), src.folder)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(src.folder)
     except Exception as e:
         raise ExportError(f"cannot read the model config of {src.spec}: {first_line(e, limit=300)}") from None
 
@@ -89,14 +83,15 @@ def save_tokenizer(src: Source, out: Path) -> Path:
             if (src.folder / name).is_file():
                 shutil.copy2(src.folder / name, out / name)
     else:
-        from transformers import AutoTokenizer
-
-        _gguf_reader_needs_torch(src)
         try:
-            tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
+            if src.kind == "gguf":
+                gguf_meta.save_tokenizer(gguf_meta.read(src.folder / src.gguf_file, vocabulary=True), src.folder, out)
+            else:  # a folder with a slow tokenizer only (tokenizer.model, vocab.json): transformers converts it
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(src.folder).save_pretrained(out)
         except Exception as e:
             raise ExportError(f"cannot load the tokenizer of {src.spec}: {first_line(e, limit=300)}") from None
-        tok.save_pretrained(out)
     if not (out / "tokenizer.json").is_file():
         raise ExportError(f"the tokenizer of {src.spec} has no fast (tokenizer.json) form, which specrt needs")
     return out / "tokenizer.json"

@@ -144,6 +144,8 @@ def export_pair(cfg: ExportConfig, log=print, progress: Progress = QUIET) -> Man
     except OSError as e:
         raise ExportError(f"cannot tidy up after an earlier export to {out}: {e.strerror or e}") from None
     _check_out(out, cfg.overwrite)
+    if cfg.traced:
+        traced.require_torch()  # before a model is fetched or a file written
     tmp = _aside(out, "partial", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -8,6 +8,7 @@ behind `--trace` for what the builder does not write, and as the reference the b
 from __future__ import annotations
 
 import gc
+import importlib.util
 import logging
 from pathlib import Path
 
@@ -19,17 +20,22 @@ from specrt.export.progress import QUIET, Progress
 from specrt.export.quant import SLICE_ROWS, quantize_blocks
 
 
+def require_torch() -> None:
+    """Refuse a traced export (--trace, --portable, --engine tensorrt) where torch cannot be imported: the graph
+    builder and every source's config and tokenizer need no torch, this path does."""
+    if importlib.util.find_spec("torch") is None:
+        raise ExportError("this export traces the model with torch, which is not installed (--trace, --portable "
+                          "and --engine tensorrt do): pip install 'specrt[trace]'")
+
+
 def trace(src, path: Path, cfg, output_ids=None, progress: Progress = QUIET) -> tuple[dict, dict | None, dict | None]:
     """Export one checkpoint to `path` (+ external data) through torch, quantized as `cfg` (an ExportConfig)
     asks: (the manifest's model fields, the weights' quantization, the embedding's), None where not quantized.
     `output_ids`: keep only these rows of the output matrix (a restricted draft vocabulary)."""
     import onnx
 
-    try:
-        from specrt.export import graph  # torch (the trace extra): imported when a model is traced
-    except ImportError as e:
-        raise ExportError(f"this export traces the model with torch, which is not installed ({e}); "
-                          "pip install 'specrt[trace]'") from None
+    require_torch()
+    from specrt.export import graph  # torch (the trace extra): imported when a model is traced
 
     with progress.step("loading"):
         model = load.load_model(src, cfg.dtype)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.errors import ExportError
+from specrt.export import gguf_meta
 
 # The builder's reads that a missing tensor may leave out: a tied output matrix is the embedding table.
 TIED_OUTPUT = ("lm_head.weight", "model.embed_tokens.weight")
@@ -163,30 +164,18 @@ def _gguf_names(layers: int) -> dict[str, str]:
 
 
 def open_gguf(path: Path) -> GgufTensors:
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # a damaged or foreign file: gguf raises ValueError and others
-        raise ExportError(f"cannot read the GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    arch = str(reader.fields["general.architecture"].contents())
-
-    def field(key, default=None):
-        f = reader.fields.get(f"{arch}.{key}")
-        return default if f is None else f.contents()
-
-    layers, heads = int(field("block_count", 0)), field("attention.head_count")
-    kv_heads = field("attention.head_count_kv", heads)
+    meta = gguf_meta.read(path)  # the tensor table, read with the config and tokenizer (export/gguf_meta.py)
+    arch = meta.arch
+    layers, heads = int(meta.get(f"{arch}.block_count", 0)), meta.get(f"{arch}.attention.head_count")
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
     names = _gguf_names(layers)
     entries, permuted = {}, {}
-    for t in reader.tensors:
+    for t in meta.tensors:
         hf = names.get(t.name)
         if hf is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest-moving dimension first
         # a row is a 2-D tensor's row, or a 1-D tensor's element (those are never block-quantized)
-        entries[hf] = _Entry(path, int(t.data_offset), shape, t.data.dtype, int(t.n_bytes) // shape[0], t.tensor_type)
+        entries[hf] = _Entry(path, t.offset, t.shape, t.dtype, t.n_bytes // t.shape[0], t.qtype)
         if arch == "llama" and heads is not None and (".q_proj." in hf or ".k_proj." in hf):
             permuted[hf] = int(heads if ".q_proj." in hf else kv_heads)
-    del reader  # its memory map of the whole file
     return GgufTensors(entries, str(path), permuted)
