@@ -7,10 +7,12 @@
 // library) are used in turn: enough of them (> 64 MB) and every call reads its weights from memory.
 //
 //   lib() { g++ -std=c++17 -O3 -ffp-contract=off -fPIC -shared -I$1 -o $2
-//           $1/int4.cc $1/int4_x86.cc $1/int4_arm_dot.cc $1/int4_arm_i8mm.cc $1/int4_none.cc $1/attention.cc; }
+//           $1/int4.cc $1/int4_amx.cc $1/int4_x86.cc $1/int4_arm_dot.cc $1/int4_arm_i8mm.cc $1/int4_none.cc $1/attention.cc; }
 //   lib specrt/engines/kernels /tmp/a.so; lib OTHER_TREE/specrt/engines/kernels /tmp/b.so
 //   g++ -std=c++17 -O2 bench/kernel_ab.cc -ldl -pthread -o /tmp/kernel_ab
-//   [KERNEL_AB_THREADS=2] /tmp/kernel_ab /tmp/a.so /tmp/b.so K N COPIES ROWS...     e.g. 1536 17920 5 1 3 5 9 16
+//   [KERNEL_AB_THREADS=2] [KERNEL_AB_PATHS=avx512amx,avx512vnni] /tmp/kernel_ab /tmp/a.so /tmp/b.so K N COPIES ROWS...
+//     e.g. 1536 17920 5 1 3 5 9 16; KERNEL_AB_PATHS: the path each side runs (default auto,auto), so that two paths
+//     of one library can be compared (give the same library twice)
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -37,6 +40,14 @@ int main(int argc, char** argv) {
   if (K <= 0 || K % bs || N <= 0 || copies <= 0) {
     fprintf(stderr, "kernel_ab: K must be a positive multiple of %d, N and COPIES positive\n", bs);
     return 2;
+  }
+  const char* names_env = getenv("KERNEL_AB_PATHS");
+  std::string names[2] = {"auto", "auto"};
+  if (names_env && *names_env) {
+    const std::string both = names_env;
+    const size_t comma = both.find(',');
+    if (comma == std::string::npos) return fprintf(stderr, "kernel_ab: KERNEL_AB_PATHS is PATH_A,PATH_B\n"), 2;
+    names[0] = both.substr(0, comma), names[1] = both.substr(comma + 1);
   }
   std::vector<int> rows;
   for (int i = 6; i < argc; ++i) rows.push_back(atoi(argv[i]));
@@ -83,7 +94,7 @@ int main(int argc, char** argv) {
           auto share = [&](int h) {
             const int p0 = panels * h / threads, p1 = panels * (h + 1) / threads;
             if (p1 > p0)
-              for (int c = 0; c < copies; ++c) matmul[v](w[v][c], A.data(), m, Y[v].data(), "auto", p0, p1);
+              for (int c = 0; c < copies; ++c) matmul[v](w[v][c], A.data(), m, Y[v].data(), names[v].c_str(), p0, p1);
           };
           std::vector<std::thread> pool;
           for (int h = 1; h < threads; ++h) pool.emplace_back(share, h);
@@ -96,7 +107,9 @@ int main(int argc, char** argv) {
       t[0].push_back(best[0]), t[1].push_back(best[1]), ratio.push_back(best[0] / best[1]);
     }
     for (auto* x : {&ratio, &t[0], &t[1]}) std::sort(x->begin(), x->end());
-    for (int v = 0; v < 2; ++v) matmul[v](w[v][0], A.data(), m, Y[v].data(), "auto", 0, 0);
+    for (int v = 0; v < 2; ++v)
+      if (matmul[v](w[v][0], A.data(), m, Y[v].data(), names[v].c_str(), 0, 0))
+        return fprintf(stderr, "kernel_ab: path %s cannot run here\n", names[v].c_str()), 1;
     bool same = true;
     for (size_t i = 0; i < (size_t)m * N; ++i) same = same && Y[0][i] == Y[1][i];
     const double products = (double)m * K * N;

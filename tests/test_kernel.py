@@ -23,7 +23,8 @@ from _helpers import KERNELS_RUN
 ROOT = Path(__file__).resolve().parent.parent
 built = pytest.mark.skipif(int4.library() is None, reason=f"the kernel library is not built: {int4.unavailable()}")
 X86_PATHS = {"avx2": {"avx2", "fma"}, "avxvnni": {"avx2", "fma", "avx_vnni"}, "avx512": {"avx512f", "avx512bw"},
-             "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+             "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"},
+             "avx512amx": {"avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"}}
 
 
 def cpu_flags() -> set[str]:

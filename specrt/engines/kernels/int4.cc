@@ -17,6 +17,8 @@
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -27,8 +29,8 @@
 
 namespace specrt {
 
-const char* const kPathNames[kPaths] = {"avx512vnni", "avx512", "avxvnni", "avx2", "neon-i8mm", "neon-dotprod",
-                                        "scalar"};
+const char* const kPathNames[kPaths] = {"avx512amx", "avx512vnni", "avx512", "avxvnni", "avx2", "neon-i8mm",
+                                        "neon-dotprod", "scalar"};
 
 static inline int nibble(const uint8_t* row, int k) { return (row[k >> 1] >> ((k & 1) * 4)) & 15; }
 
@@ -236,6 +238,7 @@ Impl impl_for(Path path) {
   Impl arm;
   arm.quantize = quantize_scalar;
   switch (path) {
+    case kAvx512Amx: return x86.kernel = kAvx512AmxKernel, x86.rows_major = true, x86.takes = amx_takes, x86;
     case kAvx512Vnni: return x86.kernel = kAvx512VnniKernel, x86;
     case kAvx512: return x86.kernel = kAvx512Kernel, x86;
     case kAvxVnni: return x86.kernel = kAvxVnniKernel, x86;
@@ -259,6 +262,20 @@ static unsigned long long xcr0() {
 }
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
+// AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 24, 25), their state enabled by the OS (XCR0 bits 17, 18), and on
+// Linux the tile data state granted to this process, which Linux does only on request (once a process,
+// for all its threads: arch_prctl ARCH_REQ_XCOMP_PERM of XFEATURE_XTILEDATA).
+static bool amx_granted(unsigned edx7, unsigned long long xcr0) {
+  if (!(edx7 & (1u << 24)) || !(edx7 & (1u << 25)) || (xcr0 & 0x60000) != 0x60000) return false;
+#if defined(__linux__)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;  // no way known to this library to ask another OS for the tile state
+#endif
+}
+#endif
+
 bool cpu_has(Path path) {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a = 0, b = 0, c = 0, d = 0, a1 = 0, b1 = 0, c1 = 0, d1 = 0;
@@ -272,6 +289,7 @@ bool cpu_has(Path path) {
   const bool avx2 = ymm && (b & (1u << 5)) && (c1 & (1u << 12));  // AVX2 and FMA
   const bool avx512 = zmm && (b & (1u << 16)) && (b & (1u << 30));  // F and BW
   switch (path) {
+    case kAvx512Amx: return avx512 && (c & (1u << 11)) && amx_granted(d, x);
     case kAvx512Vnni: return avx512 && (c & (1u << 11));
     case kAvx512: return avx512;
     case kAvxVnni: return avx2 && (eax71 & (1u << 4));
@@ -315,7 +333,7 @@ namespace {
 void reference(const uint8_t* B, const float* scales, const uint8_t* zp, const float* bias, int K, int N, int bs,
                const float* A, int M, float* Y) {
   const int nblk = (K + bs - 1) / bs, blob = bs / 2, zrow = (nblk + 1) / 2;
-  std::vector<int8_t> q((size_t)M * nblk * bs + kQPad);
+  std::vector<int8_t> q(acts_bytes(M, nblk * bs));
   std::vector<float> s_a((size_t)M * nblk), sums((size_t)M * nblk);
   Acts a;
   a.M = M, a.Kp = nblk * bs, a.nblk = nblk, a.q = q.data(), a.scale = s_a.data(), a.sum = sums.data();
@@ -350,17 +368,23 @@ bool self_check(Path path) {
   for (auto& v : A) v = (float)((int)(next() % 20001) - 10000) * 1e-3f;
   Packed w;
   if (!pack(B.data(), sc.data(), zp.data(), bias.data(), K, N, bs, &w)) return false;
-  std::vector<int8_t> q((size_t)M * nblk * bs + kQPad);
+  std::vector<int8_t> q(acts_bytes(M, nblk * bs));
   std::vector<float> sa((size_t)M * nblk), sums((size_t)M * nblk), want((size_t)M * N), got((size_t)M * N);
+  const Impl impl = impl_for(path);
   Acts a;
   a.M = M, a.Kp = nblk * bs, a.nblk = nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();
-  const Impl impl = impl_for(path);
+  a.rows_major = impl.rows_major;
   impl.quantize(A.data(), K, 0, M, K, bs, a);
   reference(B.data(), sc.data(), zp.data(), bias.data(), K, N, bs, A.data(), M, want.data());
   impl.kernel(w, a, 0, M, 0, w.npanel, got.data(), N);
   release(&w);
   return memcmp(want.data(), got.data(), sizeof(float) * want.size()) == 0;
 }
+
+// Calls of at most this many rows take the AVX-512 VNNI path on an AMX CPU: each block's result tile goes
+// through memory for its float step, and up to 13 rows that costs more than VNNI's products (docs/kernel.md,
+// "AMX").
+constexpr int kAmxNarrowRows = 13;
 
 struct Selection {
   bool usable[kPaths] = {false};
@@ -374,6 +398,9 @@ struct Selection {
       usable[p] = self_check(path);
       if (!usable[p]) notes += std::string(notes.empty() ? "" : "; ") + kPathNames[p] + " failed its self-check";
     }
+    // the AMX path leans on the AVX-512 VNNI one (few rows, other block sizes): offered only with it
+    usable[kAvx512Amx] = usable[kAvx512Amx] && usable[kAvx512Vnni];
+    impls[kAvx512Amx].narrow = &impls[kAvx512Vnni], impls[kAvx512Amx].narrow_rows = kAmxNarrowRows;
   }
 };
 
@@ -441,12 +468,14 @@ EXPORT void specrt_int4_free(void* w) {
 // Returns 0, or -1 when the path cannot run here.
 EXPORT int specrt_int4_matmul(const void* packed, const float* A, int M, float* Y, const char* path, int p0, int p1) {
   const Packed& w = *(const Packed*)packed;
-  const Impl* impl = choose(path, nullptr);
-  if (!impl) return -1;
-  std::vector<int8_t> q((size_t)M * w.nblk * w.bs + kQPad);
+  const Impl* chosen = choose(path, nullptr);
+  if (!chosen) return -1;
+  const Impl* impl = &chosen->for_block(w.bs).for_rows(M);
+  std::vector<int8_t> q(acts_bytes(M, w.nblk * w.bs));
   std::vector<float> sa((size_t)M * w.nblk), sums((size_t)M * w.nblk);
   Acts a;
   a.M = M, a.Kp = w.nblk * w.bs, a.nblk = w.nblk, a.q = q.data(), a.scale = sa.data(), a.sum = sums.data();
+  a.rows_major = impl->rows_major;
   impl->quantize(A, w.K, 0, M, w.K, w.bs, a);
   if (p1 <= 0) p0 = 0, p1 = w.npanel;
   for (int r = 0; r < M; r += kRowChunk)

@@ -6,7 +6,7 @@
 //      q = round-half-even(a * (127 / amax)), and the block's sum of q is kept;
 //   2. for each block, the exact integer dot(q, w) - zp * sum(q) is taken (no rounding: an int32);
 //   3. acc = fma(float(dot), scale_a * scale_w, acc), blocks in order from the first; y = acc (+ bias).
-// Every path (the scalar reference, AVX2, AVX-VNNI, AVX-512, NEON) gives the same bits, and a row's bits
+// Every path (the scalar reference, AVX2, AVX-VNNI, AVX-512, AMX, NEON) gives the same bits, and a row's bits
 // never depend on how many rows a call has or where the row sits in it: the integer part is exact and
 // the float part is the same operations in the same order for every row.
 #pragma once
@@ -39,15 +39,21 @@ struct Packed {
 };
 
 // The activations of one call, quantized (step 1 above). The int8 values are stored by 8 (one step of a
-// block) and then by row, so that a tile reaches all its rows' bytes of a step from one address. q has
-// kQPad bytes past its end: a path that reads rows in pairs reads past an odd last row.
+// block) and then by row, so that a vector tile reaches all its rows' bytes of a step from one address; or,
+// for the AMX path (`rows_major`), row by row, so that a tile row is 64 consecutive values of one row. q has
+// room for kRowPad more rows and kQPad more bytes (acts_bytes): a path may read a few rows past the last.
 struct Acts {
   int M = 0, Kp = 0, nblk = 0;  // Kp = nblk * bs: rows are zero-padded to whole blocks
-  int8_t* q = nullptr;      // [Kp / 8][M][8]
+  int8_t* q = nullptr;      // [Kp / 8][M][8], or [M][Kp] when rows_major
   float* scale = nullptr;   // [M][nblk]
   float* sum = nullptr;     // [M][nblk], exact integers
-  int8_t* at(int r, int k) const { return q + ((size_t)(k >> 3) * M + r) * 8 + (k & 7); }  // value k of row r
+  bool rows_major = false;
+  int8_t* at(int r, int k) const {  // value k of row r
+    return rows_major ? q + (size_t)r * Kp + k : q + ((size_t)(k >> 3) * M + r) * 8 + (k & 7);
+  }
 };
+constexpr int kRowPad = 15;
+inline size_t acts_bytes(int M, int Kp) { return (size_t)(M + kRowPad) * Kp + kQPad; }
 
 // Computes rows [r0, r0 + nr) (nr <= kRowChunk) of panels [p0, p1) into y (row stride ldy floats; with
 // w.glu, the gated columns of panel pairs [p0, p1), both even).
@@ -55,14 +61,23 @@ using Kernel = void (*)(const Packed& w, const Acts& a, int r0, int nr, int p0, 
 // Step 1 for rows [row0, row0 + rows) of A (row stride lda floats) into out, whose rows it fills.
 using Quantizer = void (*)(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);
 
-// A path: its kernel and the quantizer it runs with (every quantizer gives the same bytes).
+// A path: its kernel, the quantizer it runs with (every quantizer gives the same bytes) and the layout of
+// the activations its kernel reads. Where `narrow` is set, it runs instead for calls of at most
+// `narrow_rows` rows (a path that loses on few rows) and for weights whose block size `takes` refuses: the
+// bits are the same.
 struct Impl {
   Kernel kernel = nullptr;
   Quantizer quantize = nullptr;
+  bool rows_major = false;
+  const Impl* narrow = nullptr;
+  int narrow_rows = 0;
+  bool (*takes)(int bs) = nullptr;  // null: every block size
+  const Impl& for_block(int bs) const { return narrow && takes && !takes(bs) ? *narrow : *this; }
+  const Impl& for_rows(int M) const { return narrow && M <= narrow_rows ? *narrow : *this; }
 };
 
 // Kernel paths, in order of preference.
-enum Path { kAvx512Vnni, kAvx512, kAvxVnni, kAvx2, kNeonI8mm, kNeonDot, kScalar, kPaths };
+enum Path { kAvx512Amx, kAvx512Vnni, kAvx512, kAvxVnni, kAvx2, kNeonI8mm, kNeonDot, kScalar, kPaths };
 extern const char* const kPathNames[kPaths];
 
 Impl impl_for(Path path);  // nulls where this build has no such path
@@ -89,8 +104,10 @@ void rms_norm(const float* a, const float* skip, const float* gamma, float eps, 
 // Path kernels and quantizers; defined in the per-ISA files (null where a build lacks them).
 void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p1, float* y, size_t ldy);
 void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);
-extern const Kernel kAvx2Kernel, kAvxVnniKernel, kAvx512Kernel, kAvx512VnniKernel, kNeonDotKernel, kNeonI8mmKernel;
+extern const Kernel kAvx2Kernel, kAvxVnniKernel, kAvx512Kernel, kAvx512VnniKernel, kAvx512AmxKernel, kNeonDotKernel,
+    kNeonI8mmKernel;
 extern const Quantizer kAvx2Quantize;  // every x86 path runs with it
+bool amx_takes(int bs);  // the block sizes the AMX kernel takes
 
 }  // namespace specrt
 

@@ -170,6 +170,7 @@ ort::Status* create(const ort::CustomOp*, const void* table, const ort::KernelIn
   if (gamma) op->gamma.assign((const float*)gamma, (const float*)gamma + K);
   op->impl = specrt::choose(path.c_str(), nullptr);
   if (!op->impl) return delete op, fail(api, "path '" + path + "' cannot run on this CPU");
+  op->impl = &op->impl->for_block((int)bs);
   if (glu && (N % (2 * specrt::kPanel) || bias))
     return delete op, fail(api, "glu takes N a multiple of " + std::to_string(2 * specrt::kPanel) + " and no bias");
   if (!specrt::pack((const uint8_t*)B, (const float*)scales, (const uint8_t*)zp, (const float*)bias, (int)K, (int)N,
@@ -192,6 +193,7 @@ void destroy(void* kernel) {
 // One call's work, split into items: a chunk of rows times a group of panels.
 struct Call {
   const Op* op;
+  const specrt::Impl* impl;  // the op's path for this call's number of rows (Impl::for_rows)
   const float* A;
   const float* skip = nullptr;  // with a norm: input 5, or null
   float* sum = nullptr;         // with a skip: output 1
@@ -205,13 +207,13 @@ struct Call {
 void quantize_rows(const Call& c, int r, int n) {
   const Op& op = *c.op;
   const int K = op.w.K;
-  if (!op.norm) return op.impl->quantize(c.A, K, r, n, K, op.w.bs, c.acts);
+  if (!op.norm) return c.impl->quantize(c.A, K, r, n, K, op.w.bs, c.acts);
   for (int i = r; i < r + n; ++i) {
     const size_t at = (size_t)i * K;
     specrt::rms_norm(c.A + at, c.skip ? c.skip + at : nullptr, op.gamma.data(), op.eps, K, c.sum ? c.sum + at : nullptr,
                      c.xn + at);
   }
-  op.impl->quantize(c.xn, K, r, n, K, op.w.bs, c.acts);
+  c.impl->quantize(c.xn, K, r, n, K, op.w.bs, c.acts);
 }
 
 void quantize_item(void* data, size_t i) {  // rows [8i, 8i + 8)
@@ -225,7 +227,7 @@ void panel_item(void* data, size_t i) {
   const Packed& w = c.op->w;
   const int r = (int)(i / c.groups) * specrt::kRowChunk, p = (int)(i % c.groups) * c.group;
   const int nr = c.M - r < specrt::kRowChunk ? c.M - r : specrt::kRowChunk;
-  c.op->impl->kernel(w, c.acts, r, nr, p, p + c.group < w.npanel ? p + c.group : w.npanel, c.y, w.out_cols());
+  c.impl->kernel(w, c.acts, r, nr, p, p + c.group < w.npanel ? p + c.group : w.npanel, c.y, w.out_cols());
 }
 
 const void* const* g_table = nullptr;  // set by RegisterCustomOps
@@ -275,13 +277,13 @@ ort::Status* compute(void* kernel, ort::KernelContext* ctx) {
   if (ort::Status* s = api.GetTensorMutableData(yv, &y)) return s;
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scale, sum;
-  q.resize(M * w.nblk * w.bs + specrt::kQPad), scale.resize(M * w.nblk), sum.resize(M * w.nblk);
+  q.resize(specrt::acts_bytes((int)M, w.nblk * w.bs)), scale.resize(M * w.nblk), sum.resize(M * w.nblk);
   Call c;
-  c.op = &op, c.A = (const float*)A, c.y = (float*)y, c.M = (int)M;
+  c.op = &op, c.impl = &op.impl->for_rows((int)M), c.A = (const float*)A, c.y = (float*)y, c.M = (int)M;
   thread_local std::vector<float> xn;
   if (op.norm) xn.resize(M * w.K), c.xn = xn.data(), c.skip = skip, c.sum = (float*)added;
   c.acts.M = (int)M, c.acts.Kp = w.nblk * w.bs, c.acts.nblk = w.nblk;
-  c.acts.q = q.data(), c.acts.scale = scale.data(), c.acts.sum = sum.data();
+  c.acts.q = q.data(), c.acts.scale = scale.data(), c.acts.sum = sum.data(), c.acts.rows_major = c.impl->rows_major;
   if (M < 16) {
     quantize_rows(c, 0, (int)M);
   } else if (ort::Status* s = api.KernelContext_ParallelFor(ctx, quantize_item, (M + 7) / 8, 0, &c)) {

@@ -2,7 +2,7 @@
 the library by hand (runpy.run_path: this file imports nothing). Every file compiles on every machine; a path
 the machine or the compiler lacks compiles to a null kernel that int4.cc never offers."""
 
-SOURCES = ["int4.cc", "int4_x86.cc", "int4_arm_dot.cc", "int4_arm_i8mm.cc", "int4_none.cc", "attention.cc", "ort_op.cc"]
+SOURCES = ["int4.cc", "int4_x86.cc", "int4_amx.cc", "int4_arm_dot.cc", "int4_arm_i8mm.cc", "int4_none.cc", "attention.cc", "ort_op.cc"]
 HEADERS = ["int4.h", "int4_neon.h", "int4_tile.inc", "int4_kernel.inc", "attention.h", "attention_core.inc",
            "ort_api.h", "target.h"]
 # no contraction of a*b+c into FMAs the source does not write: every path must round the same way
