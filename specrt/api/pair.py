@@ -246,10 +246,11 @@ class Pair:
         record's; None or absent: the default), each checked (api/requests.parse), then `config`."""
         return self.config(batched=batched, prompt=prompt, **requests.parse(fields))
 
-    def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False) -> None:
-        """Raise ConfigError for a request this pair cannot run (api/requests.check)."""
+    def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False, grammar: bool = True) -> None:
+        """Raise ConfigError for a request this pair cannot run (api/requests.check; `grammar`: its constraint
+        too, which api/grammars.py checks once per distinct grammar)."""
         requests.check(self.manifest, prompt, cfg, draft_left_out=self.draft_left_out, batched=batched)
-        if cfg.grammar is not None:
+        if grammar and cfg.grammar is not None:
             self.grammars.check(cfg.grammar)
 
     def batch_engine(self, role: str, batch: int, cache_len: int, max_logits: int):
@@ -329,8 +330,11 @@ class Pair:
                       frozenset(self.manifest.eos_token_ids), lambda r, c, g: self.policy(c, constraint=g),
                       text=self.text_stream, history=self.state.history, constrain=self.grammars.start)
         req = Request(None, prompt, cfg, on_text, lambda: self._closing.is_set() or (cancel is not None and bool(cancel())))
-        (_, self.last_result), = dec.run([req])
-        return self.last_result
+        (_, res), = dec.run([req])
+        if isinstance(res, ConfigError):
+            raise res
+        self.last_result = res
+        return res
 
     def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: PolicyConfig | None = None,
                constraint: Constraint | None = None):
@@ -358,6 +362,7 @@ class Pair:
             self._release()
 
     def _release(self) -> None:
+        self.grammars.close()  # its checker process
         for e in (self.target, self.draft):
             if e is not None:
                 e.close()
@@ -479,6 +484,8 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
             ids = pair.encode(p, chat)
             reqs.append(Request(i, ids, pair.settings({**fields, "seed": s}, batched=True, prompt=ids)))
         out = dict(dec.run(reqs))
+        if refused := next((v for v in out.values() if isinstance(v, ConfigError)), None):
+            raise refused
         if totals is not None:
             totals.update(dec.totals.as_dict())
     return [out[i] for i in range(len(prompts))]

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
+from specrt.api.text import JSONText
 from specrt.config import GenerationConfig, Grammar, SamplingConfig, needs_draft_model
 from specrt.errors import ConfigError, first_line, show
 
@@ -65,9 +67,15 @@ def as_batch_row(cfg: GenerationConfig, batch_draft_len: int) -> GenerationConfi
     return replace(cfg, draft_len=batch_draft_len) if cfg.draft_len == "auto" else cfg
 
 
+SEED_LIMIT = 2**63  # seeds are OpenAI's int64s that are >= 0: coupled sampling reads them modulo 2**64
+
+
 def check_settings(m, cfg: GenerationConfig, draft_left_out: bool = False, batched: bool = False) -> None:
-    """Raise ConfigError for settings the pair cannot run whatever the prompt: a draft length above its
-    max_draft_len ("auto" as a batch row), a drafter that needs a draft model it lacks."""
+    """Raise ConfigError for settings the pair cannot run whatever the prompt: a seed of 2**63 or more (it
+    would give another seed's text), a draft length above its max_draft_len ("auto" as a batch row), a
+    drafter that needs a draft model it lacks."""
+    if cfg.seed >= SEED_LIMIT:
+        raise RequestError(f"seed must be below 2**63 (an int64), got {show(cfg.seed)}", param="seed")
     k = m.max_draft_len if cfg.draft_len == "auto" else cfg.draft_len
     if k > m.max_draft_len:
         raise ConfigError(f"draft_len {cfg.draft_len} is above this pair's max_draft_len {m.max_draft_len} "
@@ -266,7 +274,8 @@ def _content(content, i: int) -> str:
 
 def _tool_calls(calls, i: int) -> list[dict]:
     """An assistant message's earlier tool calls, as chat templates read them: each call's `arguments` (a
-    JSON string in OpenAI's messages) as the object it encodes."""
+    JSON string in OpenAI's messages) as the object it encodes, which a template's `tojson` writes as the
+    text given (api/text.JSONText), not that text encoded again."""
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise RequestError(f"{where} must be a list of tool calls", param="messages")
@@ -277,10 +286,16 @@ def _tool_calls(calls, i: int) -> list[dict]:
             raise RequestError(f"{where}: each call needs a 'function' with a string 'name'", param="messages")
         args = f.get("arguments", "{}")
         if isinstance(args, str):
+            text = args.strip() or "{}"
             try:
-                args = json.loads(args) if args.strip() else {}
+                args = json.loads(text)
             except (json.JSONDecodeError, RecursionError):
                 raise RequestError(f"{where}: the arguments of {f['name']!r} are not JSON", param="messages") from None
+            except ValueError:  # Python's bound on the digits an integer is read from
+                raise RequestError(f"{where}: the arguments of {f['name']!r} hold an integer of more than "
+                                   f"{sys.get_int_max_str_digits()} digits", param="messages") from None
+            if isinstance(args, dict):
+                args = JSONText(args, text)
         out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 

@@ -61,13 +61,23 @@ class TextCodec:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = lambda x, indent=None, **kw: (
+            x.text if isinstance(x, JSONText) and indent is None else json.dumps(x, ensure_ascii=False, indent=indent))
         try:
             extra = {"tools": tools} if tools else {}
             return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True, **extra,
                                                               **{k: v for k, v in self.special.items() if v})
         except jinja2.TemplateError as e:
             raise ConfigError(f"chat template failed: {e}") from None
+
+
+class JSONText(dict):
+    """A JSON object read from `text` (an earlier tool call's arguments, as OpenAI's messages give them),
+    which a chat template's `tojson` writes as that text rather than encoding the object again."""
+
+    def __init__(self, value: dict, text: str):
+        super().__init__(value)
+        self.text = text
 
 
 def check_text(text: str, what: str) -> None:

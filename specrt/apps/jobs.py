@@ -467,6 +467,9 @@ def _fsync_dir(d: Path) -> None:
 
 
 def result_record(rid, res) -> dict:
+    """A result's record; a request that could not start (res: its ConfigError) gets its error record."""
+    if isinstance(res, SpecrtError):
+        return {"id": rid, "error": str(res)}
     return {"id": rid, "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason, "stats": res.stats}
 
 
@@ -500,7 +503,7 @@ class Runner:
                     break
                 with dec:
                     for key, res in dec.run(reqs[i:i + n]):
-                        tokens += len(res.tokens)
+                        tokens += 0 if isinstance(res, SpecrtError) else len(res.tokens)
                         yield key, res
                 self.measured[b] = tokens / (time.perf_counter() - t0)
                 i += n
@@ -536,7 +539,7 @@ class _Progress:
 
     def update(self, res) -> None:
         self.records += 1
-        if res is not None:
+        if res is not None and not isinstance(res, SpecrtError):
             s = res.stats
             self.tokens += s["new_tokens"]
             self.proposed += s["proposed"]
@@ -635,6 +638,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
                 for key, res in runner.results(Request(r.key, r.prompt, r.cfg) for r in pending):
                     out.write(result_record(ids[key], res))
                     bar.update(res)
+                    summary["errors"] += isinstance(res, SpecrtError)
             finally:
                 runner.close()
             summary["batch_size"] = runner.chosen
@@ -648,6 +652,7 @@ def run_job(pair_dir, input_path, output_path, settings: JobSettings = JobSettin
         if bar is not None:
             bar.close()
         out.close()
+        grammars.close()
         if pair is not None:
             pair.close()
         if ray is not None and own_ray:

@@ -3,6 +3,8 @@ the draft-length parsers."""
 from __future__ import annotations
 
 import functools
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -131,6 +133,26 @@ def constraint_options(fn):
     return fn
 
 
+GRAMMAR_FILE_MAX = 8 << 20  # bytes: eight times what the server takes in a body by default
+
+
+def _grammar_file(path: Path, option: str) -> str:
+    """A schema or grammar file's text: a regular file (a device or a FIFO could be endless or never end) of
+    at most GRAMMAR_FILE_MAX bytes, in UTF-8."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:  # a FIFO's open waits otherwise
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise click.BadParameter(f"{path} is not a regular file", param_hint=option)
+            data = f.read(GRAMMAR_FILE_MAX + 1)
+        if len(data) > GRAMMAR_FILE_MAX:
+            raise click.BadParameter(f"{path} is larger than {GRAMMAR_FILE_MAX >> 20} MB", param_hint=option)
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read {path}: {getattr(e, 'strerror', None) or e}",
+                                 param_hint=option) from None
+
+
 def constraint_fields(json_schema, json_object, regex, grammar) -> dict:
     """The request fields (api/requests.FIELDS) of constraint_options' values; files read here."""
     given = [n for n, v in (("--json-schema", json_schema), ("--json-object", json_object), ("--regex", regex),
@@ -142,11 +164,7 @@ def constraint_fields(json_schema, json_object, regex, grammar) -> dict:
         out["response_format"] = {"type": "json_object"}
     for name, path in (("json_schema", json_schema), ("grammar", grammar)):
         if path is not None:
-            try:
-                out[name] = Path(path).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise click.BadParameter(f"cannot read {path}: {getattr(e, 'strerror', None) or e}",
-                                         param_hint=f"--{name.replace('_', '-')}") from None
+            out[name] = _grammar_file(Path(path), f"--{name.replace('_', '-')}")
     if regex is not None:
         out["regex"] = regex
     return out

@@ -170,6 +170,6 @@ def serve(pair_dir, device, host, port, api_key, model_name, allow_hosts, cors_o
 
 def _warm_grammars(pair) -> None:
     try:
-        pair.grammars.tokenizer
+        pair.grammars.warm()  # the tokenizer's view and the checker process
     except SpecrtError:  # said again, as a 400, to the first request that needs it
         pass

@@ -175,9 +175,9 @@ class BatchDecoder(Decoder):
         return build(cfg.draft_len, cfg.drafter, self.pair.manifest.max_draft_len, self.state, model=model,
                      ngram_max=cfg.ngram_max, config=self.pair.policy_config, constraint=constraint)
 
-    def check(self, prompt: list[int] | None, cfg: GenerationConfig) -> None:
+    def check(self, req: Request) -> None:
         """Raise ConfigError for a request this decoder cannot run (the pair's check of a batch row)."""
-        self.pair.check(prompt, cfg, batched=True)
+        self.pair.check(req.prompt, req.cfg, batched=True)
 
     def finished(self, requests):
         for cache in (self.target, self._draft):
@@ -185,13 +185,7 @@ class BatchDecoder(Decoder):
                 cache.reset()  # rows of a run that was abandoned midway
         hold = getattr(self.pair, "exclusive", None)  # the pair's batch-1 engines are ours while this runs
         with hold() if hold is not None else contextlib.nullcontext():
-            yield from super().finished(self._checked(requests))
-
-    def _checked(self, requests):
-        for req in requests:
-            if req is not WAIT:
-                self.check(req.prompt, req.cfg)
-            yield req
+            yield from super().finished(requests)
 
     def close(self) -> None:
         self.target.close()

@@ -36,8 +36,9 @@ class Constraint:
     limits can be met at any token), so a draft that meets one only ends that draft, and a committed token
     that meets one ends the request (`error`)."""
 
-    def __init__(self, matcher, tokenizer, vocab: int):
+    def __init__(self, matcher, tokenizer, vocab: int, start=None):
         self.m, self.tok, self.vocab = matcher, tokenizer, vocab
+        self.start = start if start is not None else matcher.deep_copy()  # the matcher before any output
         self.eos = frozenset(getattr(tokenizer, "eos_tokens", ()))
         self.d, self.path = None, []  # the drafts' matcher and the tokens it holds past the committed sequence
         self.masks: dict[tuple[int, ...], np.ndarray] = {}  # this round's, by drafted prefix
@@ -48,6 +49,11 @@ class Constraint:
     def complete(self) -> bool:
         """The committed output is a complete match of the grammar."""
         return not self.error and self.m.is_accepting()
+
+    def matches(self, text: str) -> bool:
+        """Whether `text` alone is a complete match (what a stop string left of the committed output)."""
+        m = self.start.deep_copy()
+        return m.consume_tokens(self.tok.tokenize_str(text)) and m.is_accepting()
 
     @property
     def stopped(self) -> bool:

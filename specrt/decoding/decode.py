@@ -25,6 +25,7 @@ from specrt.decoding.policy import Batch, Policy, Round
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING, History, Proposal
 from specrt.engines.base import Engine
+from specrt.errors import ConfigError
 
 # What a request iterator yields for "none now, ask again next round" (a server's queue being empty):
 # free rows stay free, and `Decoder.run` returns once no row is left.
@@ -208,6 +209,14 @@ def emit(new: list[int], eos_ids: frozenset[int], room: int) -> tuple[list[int],
 
 
 @dataclass
+class _Refused:
+    """A request that could not start: `result` says why."""
+
+    req: Request
+    result: ConfigError
+
+
+@dataclass
 class _Row:
     req: Request
     stream: Any  # api/text.TextStream, or TokenStream
@@ -255,14 +264,16 @@ class Decoder:
             self._draft = self._make_draft()
         return self._draft
 
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Any, Result]]:
-        """Yield (key, Result) for each request, in order of completion. Requests are pulled lazily, one
-        whenever a row is free; an iterator may yield WAIT for "none now"."""
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[Any, Result | ConfigError]]:
+        """Yield (key, Result) for each request, in order of completion; (key, ConfigError) for one that
+        cannot start (its grammar, its settings on this decoder): the others run on. Requests are pulled
+        lazily, one whenever a row is free; an iterator may yield WAIT for "none now"."""
         for row in self.finished(requests):
             yield row.req.key, row.result
 
     def finished(self, requests: Iterable[Request]) -> Iterator[_Row]:
-        """`run`, yielding each finished row (its `result`, and its `stats` as a Stats)."""
+        """`run`, yielding each finished row (its `result`, and its `stats` as a Stats), or a request that could
+        not start (`result`: the ConfigError)."""
         it, rows, exhausted = iter(requests), [None] * self.B, False
         t0, c0 = time.perf_counter(), self._draft_passes()
         try:
@@ -274,10 +285,16 @@ class Decoder:
                             exhausted = True
                         elif req is WAIT:
                             break
-                        elif (row := self._start(r, req)).reason:  # done at its first token, or cancelled
-                            yield self._finish(r, row)
                         else:
-                            rows[r] = row
+                            try:
+                                row = self._start(r, req)
+                            except ConfigError as e:  # this request's own: it ends with it, the rest go on
+                                yield _Refused(req, e)
+                                continue
+                            if row.reason:  # done at its first token, or cancelled
+                                yield self._finish(r, row)
+                            else:
+                                rows[r] = row
                 active = [(r, row) for r, row in enumerate(rows) if row is not None]
                 if not active:
                     break
@@ -372,9 +389,14 @@ class Decoder:
             done[r] = Proposal(p.tokens, p.p_draft, p.passes, seconds, tokens)
         return done, passes
 
+    def check(self, req: Request) -> None:
+        """Raise ConfigError for a request this decoder cannot run (a batched decoder checks each row)."""
+
     def _start(self, r: int, req: Request) -> _Row:
         cfg = req.cfg
-        constraint = self.constrain(cfg.grammar) if cfg.grammar is not None else None
+        self.check(req)
+        cancelled = req.cancel is not None and req.cancel()  # while it waited: no grammar, no prompt read
+        constraint = self.constrain(cfg.grammar) if cfg.grammar is not None and not cancelled else None
         policy = self.policy_for(r, cfg, constraint)
         k = policy.max_k
         row = _Row(req=req, stream=self.text(cfg.stop), policy=policy,
@@ -383,7 +405,7 @@ class Decoder:
                                                      accepted_at=[0] * k, prompt_tokens=len(req.prompt),
                                                      batch_size=self.B))
         self.totals.requests += 1
-        if req.cancel is not None and req.cancel():  # cancelled while it waited: its prompt is not read
+        if cancelled:
             row.reason = "cancelled"
             return row
         # The target reads the prompt (but what its row kept of an earlier one); the last position gives
@@ -452,7 +474,8 @@ class Decoder:
         st.new_tokens, st.wall_s = len(tokens), time.perf_counter() - row.start
         if row.constraint is not None:
             c = row.constraint
-            st.grammar_complete = c.complete
+            # a stop string cut the output short of what the grammar took: the text returned is what counts
+            st.grammar_complete = c.matches(row.stream.text) if row.stream.stopped and row.cfg.stop else c.complete
             st.mask_ms = round(1e3 * c.mask_s, 3)
         self.totals.new_tokens += len(tokens)
         row.result = Result(tokens=tokens, text=row.stream.text, finish_reason=row.reason, stats=st.as_dict())
@@ -475,4 +498,6 @@ def decode(target: Engine, policy: Policy, prompt: list[int], cfg: GenerationCon
     dec = Decoder(Single(target, prompt_cache), lambda: Single(model.engine), vocab, eos_ids, lambda r, c, g: policy,
                   text=lambda stop: TokenStream(on_tokens), constrain=lambda g: constraint)
     row, = dec.finished([Request(0, prompt, cfg)])
+    if isinstance(row.result, ConfigError):
+        raise row.result
     return row.result.tokens, row.result.finish_reason, row.stats

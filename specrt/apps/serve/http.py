@@ -22,6 +22,7 @@ import secrets
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -126,10 +127,11 @@ def _off(value, noops: tuple) -> bool:
 
 
 def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettings | None = None,
-                      tools: Tools | None = None) -> GenerationConfig:
+                      tools: Tools | None = None, grammar: bool = True) -> GenerationConfig:
     """The request's settings (api/requests.parse, with OpenAI's names and defaults: `max_tokens` or
     `max_completion_tokens`, temperature 1 in [0, 2], a random seed); max_tokens is bounded by the room the
-    cache leaves; a required or named tool call constrains the reply (apps/serve/tools.py)."""
+    cache leaves; a required or named tool call constrains the reply (apps/serve/tools.py). `grammar` False
+    leaves the constraint's check to `check_grammar`."""
     for name, noops in UNSUPPORTED.items():
         if body.get(name) is not None and not _off(body[name], noops):
             allowed = " or ".join(json.dumps(n) for n in noops)
@@ -161,13 +163,25 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
             kw["grammar"] = tools.grammar
         kw.update(max_new_tokens=min(given or room, room), seed=kw.get("seed", secrets.randbits(31)))
         cfg = pair.config(**kw)
-        pair.check(prompt, cfg)
+        pair.check(prompt, cfg, grammar=grammar)
     except SpecrtError as e:
-        param = getattr(e, "param", None)
-        if param in requests.CONSTRAINTS:  # a grammar's error names the field that gave it
-            param = next((f for f in requests.CONSTRAINTS if body.get(f) is not None), "tools")
-        raise APIError(400, str(e), param=name if param == "max_new_tokens" else param) from None
+        raise _bad_setting(e, body, name) from None
     return cfg
+
+
+def check_grammar(pair, body: dict, cfg: GenerationConfig) -> None:
+    """APIError 400 unless the request's constraint starts (api/grammars.py: checked once per distinct one)."""
+    try:
+        pair.grammars.check(cfg.grammar)
+    except SpecrtError as e:
+        raise _bad_setting(e, body) from None
+
+
+def _bad_setting(e: SpecrtError, body: dict, max_name: str = "max_tokens") -> APIError:
+    param = getattr(e, "param", None)
+    if param in requests.CONSTRAINTS:  # a grammar's error names the field that gave it
+        param = next((f for f in requests.CONSTRAINTS if body.get(f) is not None), "tools")
+    return APIError(400, str(e), param=max_name if param == "max_new_tokens" else param)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -293,6 +307,9 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
     # wait behind them, small ones (a few ms at most) in the other. Two threads, not a pool that grows.
     bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-prompts")
     big_bodies = ThreadPoolExecutor(1, thread_name_prefix="specrt-big-prompts", initializer=_lower_priority)
+    # new grammars are checked one at a time (api/grammars.py), in a thread of their own: a slow one delays
+    # other new grammars only
+    grammar_checks = ThreadPoolExecutor(1, thread_name_prefix="specrt-grammar-checks")
 
     async def read_body(request: Request) -> bytearray:
         size = request.headers.get("content-length")
@@ -378,16 +395,26 @@ def create_app(pair, scheduler: Scheduler, metrics: Metrics, settings: ServeSett
         if not chat and body.get("tools"):
             raise APIError(400, "'tools' is for /v1/chat/completions", param="tools")
         prompt = prompt_ids(pair, body, chat, tools)
-        cfg = generation_config(pair, body, prompt, settings, tools)
+        cfg = generation_config(pair, body, prompt, settings, tools, grammar=False)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {})
-        return prompt, cfg, stream, _field(options, "include_usage", (bool,), False) and stream, tools
+        unchecked = None
+        if cfg.grammar is not None:  # a grammar seen lately answers at once; a new one waits in its own thread
+            if pair.grammars.known(cfg.grammar):
+                check_grammar(pair, body, cfg)
+            else:
+                unchecked = body
+        return prompt, cfg, stream, _field(options, "include_usage", (bool,), False) and stream, tools, unchecked
 
     async def complete(request: Request, chat: bool):
         raw = await read_body(request)
         loop, items = asyncio.get_running_loop(), asyncio.Queue()
-        prompt, cfg, stream, usage_in_stream, tools = await loop.run_in_executor(
+        prompt, cfg, stream, usage_in_stream, tools, unchecked = await loop.run_in_executor(
             big_bodies if len(raw) > BIG_BODY else bodies, parse, raw, chat)
+        if unchecked is not None:
+            await loop.run_in_executor(grammar_checks, check_grammar, pair, unchecked, cfg)
+            if await request.is_disconnected():  # its client left during the check: nothing to run
+                return PlainTextResponse("", status_code=499)
 
         def deliver(item):  # from the worker thread; a whole response needs no text chunks
             if stream or not isinstance(item, str):
@@ -436,7 +463,9 @@ class _Guard:
     """Refuses what a web page could make a user's browser send, before any route runs: a Host that is not
     one of `hosts` (DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1), unless a
     key is required (`hosts` None: the page does not have it), and an Origin not in `origins` (a request from
-    a page of another site). A plain ASGI middleware, as _KeyCheck."""
+    a page of another site). A request target in absolute form (`POST http://host:port/v1/... HTTP/1.1`,
+    which RFC 9112 section 3.2.2 has servers accept) is routed by its path, and the host it names must be
+    allowed as well as the Host header's. A plain ASGI middleware, as _KeyCheck."""
 
     def __init__(self, app, hosts: frozenset | None, origins: frozenset, refuse):
         self.app, self.hosts, self.origins, self.refuse = app, hosts, origins, refuse
@@ -444,17 +473,34 @@ class _Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             headers = dict(scope["headers"])
-            host = headers.get(b"host", b"").decode("latin-1")
+            names = [headers.get(b"host", b"").decode("latin-1")]
+            absolute = _absolute_form(scope)
+            if absolute is not None:
+                authority, scope = absolute
+                names.append(authority)
             origin = headers.get(b"origin")
-            if self.hosts is not None and host_name(host) not in self.hosts:
-                e = APIError(421, f"this server does not answer to the Host {host!r} (localhost, its address, or "
-                                  "one given with --allow-host)", code="host_not_allowed")
+            foreign = [n for n in names if host_name(n) not in self.hosts] if self.hosts is not None else []
+            if foreign:
+                e = APIError(421, f"this server does not answer to the Host {foreign[0]!r} (localhost, its address, "
+                                  "or one given with --allow-host)", code="host_not_allowed")
                 return await self.refuse(scope, e)(scope, receive, send)
             if origin is not None and "*" not in self.origins and origin.decode("latin-1") not in self.origins:
                 e = APIError(403, f"requests from pages of {origin.decode('latin-1')!r} are refused (allow an origin "
                                   "with --cors-origin)", code="origin_not_allowed")
                 return await self.refuse(scope, e)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _absolute_form(scope) -> tuple[str, dict] | None:
+    """(the authority, the scope with the path alone) of a request whose target is an absolute URI
+    ("http://127.0.0.1:8000/v1/models"), else None."""
+    scheme, sep, rest = (scope.get("raw_path") or b"").partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return None
+    authority, slash, path = rest.partition(b"/")
+    raw_path = slash + path or b"/"
+    path = scope.get("root_path", "") + urllib.parse.unquote(raw_path.decode("latin-1"))
+    return authority.decode("latin-1"), {**scope, "raw_path": raw_path, "path": path}
 
 
 class _KeyCheck:

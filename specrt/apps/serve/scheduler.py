@@ -165,7 +165,10 @@ class Scheduler:
 
         try:
             for key, res in self._decoder.run(requests()):
-                self._done(jobs.pop(key), res)
+                if isinstance(res, SpecrtError):  # that request's own: the batch goes on
+                    self._fail(jobs.pop(key), res)
+                else:
+                    self._done(jobs.pop(key), res)
         except Exception as e:  # noqa: BLE001 - every row of the batch ends with it; the server goes on
             for job in jobs.values():
                 self._fail(job, e)

@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from specrt.api.grammars import JSON_STYLE
+from specrt.api.grammar_check import JSON_STYLE
 from specrt.api.requests import RequestError
 from specrt.config import Grammar
 
@@ -49,12 +49,13 @@ def tools_of(body: dict, codec) -> Tools | None:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.match(f["name"]):
             raise RequestError(f"tools[{i}] must be " + '{"type": "function", "function": {"name": letters, digits, '
                                '_ or - (at most 64), "parameters": a JSON schema}}', param="tools")
-        params = f.get("parameters", {"type": "object"})
-        if not isinstance(params, dict):
-            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param="tools")
+        params = f.get("parameters", {})
+        if not isinstance(params, dict) or params.get("type", "object") != "object":  # arguments are an object
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON schema of type \"object\"",
+                               param="tools")
         if f["name"] in functions:
             raise RequestError(f"tools[{i}]: the function {f['name']!r} is given twice", param="tools")
-        functions[f["name"]] = params if "type" in params else {"type": "object", **params}  # arguments are an object
+        functions[f["name"]] = {"type": "object", **params}
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
@@ -66,8 +67,9 @@ def tools_of(body: dict, codec) -> Tools | None:
         called = list(functions)
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in functions:
-            raise RequestError(f"tool_choice names the function {name!r}, which is not in 'tools'", param="tool_choice")
+        if not isinstance(name, str) or name not in functions:
+            raise RequestError(f"tool_choice.function.name must name a function in 'tools', got "
+                               f"{json.dumps(name)[:80]}", param="tool_choice")
         called = [name]
     else:
         raise RequestError("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
@@ -80,14 +82,18 @@ def tools_of(body: dict, codec) -> Tools | None:
 
 def calls_grammar(functions: dict[str, dict], many: bool, codec) -> str:
     """A Lark grammar (llguidance's) of one tool call block, or of several (`many`), of these functions; a
-    newline may end it (the blocks' own separator, after which the model may still end)."""
-    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
-                      "required": ["name", "arguments"], "additionalProperties": False}
-                     for n, p in functions.items()], "x-guidance": JSON_STYLE}
+    newline may end it (the blocks' own separator, after which the model may still end). Each function's
+    arguments are a `%json` rule of their own, so that its parameters are their own schema's root: their
+    `#/$defs/...` and `#` mean what they say, not a place in a schema wrapping every function's."""
     nl = json.dumps("\n")  # a newline as the grammar spells it
-    return "\n".join([f"start: call ({nl} call)* {nl}?" if many else f"start: call {nl}?",
-                      f"call: {_token(codec, OPEN)} {nl} body {nl} {_token(codec, CLOSE)}",
-                      f"body: %json {json.dumps(one)}", ""])
+    lines = [f"start: call ({nl} call)* {nl}?" if many else f"start: call {nl}?",
+             f"call: {_token(codec, OPEN)} {nl} body {nl} {_token(codec, CLOSE)}",
+             "body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+    for i, (name, params) in enumerate(functions.items()):
+        head = '{"name": ' + json.dumps(name) + ', "arguments": '  # the object as JSON_STYLE writes it
+        lines += [f"fn{i}: {json.dumps(head)} args{i} {json.dumps('}')}",
+                  f"args{i}: %json {json.dumps({**params, 'x-guidance': JSON_STYLE})}"]
+    return "\n".join(lines + [""])
 
 
 def _token(codec, text: str) -> str:
@@ -98,22 +104,13 @@ def _token(codec, text: str) -> str:
 
 
 def parse(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
-    """A reply as (content, OpenAI tool_calls): each well-formed block calling a known function becomes a call;
-    what is left (blocks that are not calls included) is the content (None when empty and there are calls)."""
-    calls, rest, at = [], [], 0
-    for m in re.finditer(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), text, re.S):
-        call = _call(m.group(1), tools)
-        if call is None:
-            continue
-        rest.append(text[at:m.start()])
-        at = m.end()
-        calls.append(call)
-        if not tools.parallel:
-            break
-    rest.append(text[at:])
-    if not calls and (call := _bare(text, tools)) is not None:
-        return None, [call]
-    content = "".join(rest).strip() if calls else text
+    """A whole reply as (content, OpenAI tool_calls), read as StreamedCalls reads it streamed, so that both
+    give the same: each well-formed block calling a known function becomes a call; what is left (blocks
+    that are not calls included) is the content (None when empty and there are calls)."""
+    s = StreamedCalls(tools)
+    items = s.feed(text) + s.finish()
+    content = "".join(x for x in items if isinstance(x, str))
+    calls = [{k: v for k, v in x.items() if k != "index"} for x in items if isinstance(x, dict)]
     return (content or None) if calls else content, calls
 
 
@@ -131,24 +128,32 @@ def _bare(text: str, tools: Tools) -> dict | None:
 def _call(inner: str, tools: Tools) -> dict | None:
     try:
         obj = json.loads(inner)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, an integer past Python's digit limit, nested too deep
         return None
     if not isinstance(obj, dict) or obj.get("name") not in tools.names:
         return None
-    args = obj.get("arguments", {})
+    args = json.dumps(obj.get("arguments", {}), ensure_ascii=False)
+    try:
+        args.encode("utf-8")
+    except UnicodeEncodeError:  # an escape such as "\ud800" (a lone surrogate) stays an escape
+        args = json.dumps(obj.get("arguments", {}))
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": obj["name"], "arguments": args}}
 
 
 class StreamedCalls:
     """A streamed reply split into content deltas and tool calls: text is passed on as it comes, except from
     the start of a `<tool_call>` block (or what may be one) until its end, which is passed on as one call,
-    and a reply that may be one bare call, held to its end."""
+    and a reply that may be one bare call, held to its end. Whitespace that ends the content is held back
+    until content follows it: a reply with calls ends with none (the newline after a call block is no
+    content), nor does its content start with whitespace where a call came first."""
 
     def __init__(self, tools: Tools):
         self.tools, self.buf, self.calls = tools, "", 0
         self.held = ""  # the reply so far while it may be one bare call (`_bare`): sent at its end
         self.holding = True
+        self.space = ""  # whitespace that ends the content so far, not sent yet
+        self.said = False  # content other than whitespace was sent
 
     def feed(self, text: str) -> list[str | dict]:
         """What to send for a chunk: content strings and tool-call dicts (OpenAI's delta.tool_calls items)."""
@@ -158,18 +163,20 @@ class StreamedCalls:
             if not s or s.startswith(("{", "```")) or "```".startswith(s):
                 return []
             self.holding, text, self.held = False, self.held, ""
+        return self._scan(text)
+
+    def _scan(self, text: str) -> list[str | dict]:
         self.buf += text
         out = []
         while self.buf:
             i = self.buf.find(OPEN)
             if i < 0:
-                keep = _partial(self.buf, OPEN)  # the end may begin a block
-                if len(self.buf) > keep:
-                    out.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
+                keep = len(self.buf) - _partial(self.buf, OPEN)  # the end may begin a block
+                out += self._content(self.buf[:keep])
+                self.buf = self.buf[keep:]
                 break
             if i:
-                out.append(self.buf[:i])
+                out += self._content(self.buf[:i])
                 self.buf = self.buf[i:]
             j = self.buf.find(CLOSE)
             if j < 0:
@@ -177,24 +184,38 @@ class StreamedCalls:
             block, self.buf = self.buf[:j + len(CLOSE)], self.buf[j + len(CLOSE):]
             call = _call(block[len(OPEN):-len(CLOSE)], self.tools) if self.calls == 0 or self.tools.parallel else None
             if call is None:
-                out.append(block)
+                out += self._content(block)
             else:
                 out.append({"index": self.calls, **call})
                 self.calls += 1
-        return [x for x in out if x != ""]
+        return out
+
+    def _content(self, text: str) -> list[str]:
+        """Content to send: whitespace at its end waits for what follows; after a call, none starts it."""
+        text = self.space + text
+        if self.calls and not self.said:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.space = text[len(body):]
+        self.said = self.said or bool(body)
+        return [body] if body else []
 
     def finish(self) -> list[str | dict]:
         """What is left at the end (an unfinished block is content)."""
-        if self.holding and self.held:
-            content, calls = parse(self.held, self.tools)
-            self.held = ""
-            out = [content] if content else []
-            for c in calls:
-                out.append({"index": self.calls, **c})
+        out = []
+        if self.holding:
+            self.holding, held, self.held = False, self.held, ""
+            call = _bare(held, self.tools)
+            if call is not None:
                 self.calls += 1
-            return out
+                return [{"index": 0, **call}]
+            out = self._scan(held)
         rest, self.buf = self.buf, ""
-        return [rest] if rest else []
+        out += self._content(rest)
+        if not self.calls and self.space:
+            out.append(self.space)
+        self.space = ""
+        return out
 
 
 def _partial(text: str, tag: str) -> int:
