@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 import specrt
 from _helpers import WORDS, copy_pair, export
+from test_probe3 import chain_of_refs, chain_of_rules
 from specrt.cli import main
 from specrt.cli.check import check
 from specrt.cli.info import info
@@ -98,6 +99,9 @@ def bad(qwen_dir, tmp_path_factory) -> dict[str, Path]:
         "badgguf": b"not a gguf file at all " * 40,
         "truncgguf": b"GGUF\x03\x00\x00\x00" + b"\xff" * 60,
         "emptygguf": b"",
+        "chainlark": chain_of_rules(3000).encode(),  # a chain of named rules: once a crash (issue 60)
+        "refchain": chain_of_refs(1000).encode(),
+        "nothing": b'{"$ref": "#"}',
     }
     for name, data in files.items():
         suffix = ".gguf" if "gguf" in name else ".jsonl"
@@ -156,6 +160,17 @@ CLI = [
     ("export-max-len-not-a-number", "main", ["export", "--target", "{hf.target}", "--out", "{tmp}/o", "--max-len",
                                              "lots"], "Invalid value for '--max-len'", {"usage": True}),
     # ---- generate
+    # ---- generate: constraints (issue 60)
+    ("generate-chain-of-rules", "main", ["generate", "{qwen}", "--prompt", "x", "--grammar", "{file.chainlark}"],
+     "nest too deeply", {}),
+    ("generate-chain-of-refs", "main", ["generate", "{qwen}", "--prompt", "x", "--json-schema", "{file.refchain}"],
+     "nest too deeply", {}),
+    ("generate-schema-matching-nothing", "main", ["generate", "{qwen}", "--prompt", "x", "--json-schema",
+                                                  "{file.nothing}"], "no text matches it", {}),
+    ("generate-schema-from-a-device", "main", ["generate", "{qwen}", "--prompt", "x", "--json-schema", "/dev/zero"],
+     "not a regular file", {"usage": True}),
+    ("generate-seed-past-int64", "main", ["generate", "{qwen}", "--prompt", "x", "--seed", str(2**64)],
+     "2**63", {}),
     ("generate-corrupt-graph-hash-fixed", "main", ["generate", "{bad.corrupt_graph}", "--prompt", "x"],
      "cannot load", {}),
     ("generate-swapped-graphs", "main", ["generate", "{bad.swapped}", "--prompt", "x"],

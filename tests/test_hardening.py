@@ -22,6 +22,7 @@ from specrt.config import MAX_STOP_CHARS, MAX_STOPS, GenerationConfig, SamplingC
 from specrt.errors import ConfigError
 
 from _helpers import cli, copy_pair, one_line_error
+from test_probe3 import chain_of_refs, chain_of_rules, properties
 
 
 def write_jsonl(path: Path, recs) -> Path:
@@ -479,13 +480,32 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs", "response_format", "logit_bias",
           "frequency_penalty", "presence_penalty", "echo", "best_of", "suffix", "draft_len", "drafter", "tools", "user",
           "tool_choice", "parallel_tool_calls", "json_schema", "regex", "grammar"]
+# Constraints that once crashed the server or failed others (issue 60): chains of named rules and of $refs,
+# huge property sets, constraints that match nothing, tool parameters with $defs and self-references.
+_SCHEMAS = (st.builds(lambda n: json.loads(chain_of_refs(n)), st.sampled_from([1, 30, 300, 1000]))
+            | st.builds(lambda n: json.loads(properties(n)), st.sampled_from([1, 40, 12000]))
+            | st.sampled_from([{"$ref": "#"}, True, False, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+                               {"type": "object", "properties": {"loc": {"$ref": "#/$defs/L"}},
+                                "$defs": {"L": {"type": "object", "properties": {"c": {"type": "string"}}}}}]))
+_TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]) | _text(4), "parameters": _SCHEMAS | JSON})})
+GRAMMARS = {"grammar": st.builds(chain_of_rules, st.sampled_from([1, 50, 3000]))
+            | st.sampled_from(['start: a\na: a "x"\n', 'start: "a"+\n']),
+            "json_schema": _SCHEMAS, "regex": st.sampled_from(["(a{1000}){1000}", "[ab]+", "(", ""]) | _text(6),
+            "response_format": st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+                                         _SCHEMAS),
+            "tools": st.lists(_TOOL, min_size=1, max_size=2),
+            "tool_choice": st.sampled_from(["required", "auto", "none"])
+            | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                {"name": st.sampled_from(["f", "g"]) | JSON})})}
 GOODISH = {"prompt": _text(20, min_size=1) | st.lists(st.integers(0, 400), min_size=1, max_size=5),
            "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]) | _text(8),
                                                        "content": _text(20)}), min_size=1, max_size=2),
            "max_tokens": st.integers(-1, 3) | HUGE, "temperature": st.floats(-1, 3, width=32) | EXTREME,
            "top_p": st.floats(0, 1) | EXTREME, "seed": st.integers(-1, 2**64), "stream": st.booleans(),
            "stop": _text(3) | st.lists(_text(3), max_size=18), "model": st.just("pair-qwen2") | _text(10),
-           "drafter": st.sampled_from(["model", "ngram", "suffix", "hybrid"]) | _text(8)}
+           "drafter": st.sampled_from(["model", "ngram", "suffix", "hybrid"]) | _text(8),
+           **GRAMMARS}
 
 
 def _short(b: dict) -> dict:
