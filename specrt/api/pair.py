@@ -362,7 +362,8 @@ class Pair:
             self._release()
 
     def _release(self) -> None:
-        self.grammars.close()  # its checker process
+        if getattr(self, "grammars", None) is not None:  # its checker process (absent: a load that failed early)
+            self.grammars.close()
         for e in (self.target, self.draft):
             if e is not None:
                 e.close()
