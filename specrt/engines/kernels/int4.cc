@@ -382,9 +382,9 @@ bool self_check(Path path) {
 }
 
 // Calls of at most this many rows take the AVX-512 VNNI path on an AMX CPU: each block's result tile goes
-// through memory for its float step, and up to 13 rows that costs more than VNNI's products (docs/kernel.md,
+// through memory for its float step, and up to 12 rows that costs more than VNNI's products (docs/kernel.md,
 // "AMX").
-constexpr int kAmxNarrowRows = 13;
+constexpr int kAmxNarrowRows = 12;
 
 struct Selection {
   bool usable[kPaths] = {false};

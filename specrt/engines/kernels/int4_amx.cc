@@ -5,10 +5,10 @@
 // tiles in the layout `tdpbssd` takes (kb / 4 rows of 16 columns x 4 consecutive K), the zero point
 // subtracted from each weight on the way (w - z lies in -15..15): a tile multiply then sums
 // q * (w - z) = dot(q, w) - z * sum(q) exactly, which is step 2's integer. Rows go in groups of up to 16
-// (rows-major Acts: a tile row is kb consecutive values of one row). A block's activation tiles are loaded
-// once for a run of panels, and consecutive (panel, block) results go to different tiles, so that tile
-// multiplies overlap instead of waiting on each other's loads and stores; step 3 of one result runs while
-// the next multiplies.
+// (rows-major Acts: a tile row is kb consecutive values of one row). Step 3 needs each block's integers
+// as floats, so every block's result tile is stored and read back into vector registers; the sums of a
+// panel's rows stay in registers across its blocks, and two result tiles alternate so that one block's
+// float step runs while the next one multiplies.
 #include "attention.h"
 #include "int4.h"
 #include "target.h"
@@ -73,17 +73,6 @@ static inline void unpack(const uint8_t* blk, int bs, int8_t* out) {
   }
 }
 
-// Step 3 for one block of n rows: acc[i] += float(dots[i]) * (scale_w * scale_a[i]).
-static inline void floats(const int32_t* dots, const float* sw, const float* sa, size_t sa_stride, int n, float* acc) {
-  const __m512 s = _mm512_loadu_ps(sw);
-  for (int i = 0; i < n; ++i) {
-    const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(sa[i * sa_stride]));
-    float* out = acc + i * kPanel;
-    _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(dots + i * kPanel))),
-                                         scale, _mm512_load_ps(out)));
-  }
-}
-
 // Tiles for blocks of S spans: 0 and 1 weights (span by span in turn), 2 .. 2 + S - 1 the activations of a
 // block (one per span), the rest results, used in turn.
 template <int S>
@@ -127,42 +116,55 @@ struct Tiles {
   }
 };
 
-// One run of panels [q0, q1) for rows [r0, r0 + nr) into acc ([panel - q0][row][16]), `wt` room for their
-// unpacked weights: groups of rows in turn, blocks in order, for each block the run's panels; the float step
-// of each result waits one turn behind its multiplies.
+// Step 3 of one block into the rows' accumulators, held in registers across a panel's blocks.
+static inline __attribute__((always_inline)) void fold(const int32_t* dots, const float* sw, const float* sa,
+                                                       size_t sa_stride, int n, __m512 (&acc)[kTileRows]) {
+  const __m512 s = _mm512_loadu_ps(sw);
+#pragma GCC unroll 16
+  for (int i = 0; i < kTileRows; ++i)
+    if (i < n)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)(dots + i * kPanel))),
+                               _mm512_mul_ps(s, _mm512_set1_ps(sa[i * sa_stride])), acc[i]);
+}
+
+// One run of panels [q0, q1) for rows [r0, r0 + nr) into out ([panel - q0][row][16]), `wt` room for their
+// unpacked weights: groups of rows in turn, then panels, then blocks in order. A panel's sums stay in
+// registers over its blocks; each block's result tile alternates between two, so that the float step of
+// one block overlaps the next one's multiplies.
 template <int S>
-static void run(const Packed& w, const Acts& a, int r0, int nr, int rows, int q0, int q1, int8_t* wt, float* acc) {
+static void run(const Packed& w, const Acts& a, int r0, int nr, int rows, int q0, int q1, int8_t* wt, float* out) {
   using Tl = Tiles<S>;
   const int kb = w.bs / S, groups = (nr + rows - 1) / rows;
   const size_t blk_bytes = (size_t)w.bs * 16;
-  alignas(64) int32_t dots[Tl::kResults][kTileRows * kPanel];
-  struct Pending {
-    const float* sw = nullptr;  // the block's weight scales
-    int b = 0, r = 0, n = 0;
-    float* acc = nullptr;
-  } pending[Tl::kResults];
-  int turn = 0, last = -1;
-  for (int i = 0; i < (q1 - q0) * nr * kPanel; ++i) acc[i] = 0.0f;
+  alignas(64) int32_t dots[2][kTileRows * kPanel];
   for (int g = 0; g < groups; ++g) {
     const int r = r0 + g * rows, n = nr - g * rows < rows ? nr - g * rows : rows;
-    for (int b = 0; b < w.nblk; ++b) {
-      Tl::template load_acts<0>(a, r, b * w.bs, kb);
-      for (int p = q0; p < q1; ++p) {
-        const uint8_t* blk = w.data + ((size_t)p * w.nblk + b) * w.block_bytes;
-        int8_t* wb = wt + ((size_t)(p - q0) * w.nblk + b) * blk_bytes;
-        if (g == 0) unpack(blk, w.bs, wb);  // later groups find it unpacked
-        Tl::template block<0>(turn, wb, kb, dots[turn]);
-        pending[turn] = {(const float*)(blk + (size_t)w.bs * 8), b, r, n, acc + ((size_t)(p - q0) * nr + (r - r0)) * kPanel};
-        if (last >= 0) {
-          const Pending& d = pending[last];
-          floats(dots[last], d.sw, a.scale + (size_t)d.r * a.nblk + d.b, a.nblk, d.n, d.acc);
+    const float* sa = a.scale + (size_t)r * a.nblk;
+    for (int p = q0; p < q1; ++p) {
+      __m512 acc[kTileRows];
+#pragma GCC unroll 16
+      for (int i = 0; i < kTileRows; ++i) acc[i] = _mm512_setzero_ps();
+      const uint8_t* panel = w.data + (size_t)p * w.nblk * w.block_bytes;
+      int8_t* wp = wt + (size_t)(p - q0) * w.nblk * blk_bytes;
+      for (int b = 0; b < w.nblk; ++b) {
+        const uint8_t* blk = panel + (size_t)b * w.block_bytes;
+        int8_t* wb = wp + (size_t)b * blk_bytes;
+        if (g == 0) unpack(blk, w.bs, wb);
+        Tl::template load_acts<0>(a, r, b * w.bs, kb);
+        Tl::template block<0>(b & 1, wb, kb, dots[b & 1]);
+        if (b > 0) {
+          const uint8_t* prev = blk - w.block_bytes;
+          fold(dots[(b - 1) & 1], (const float*)(prev + (size_t)w.bs * 8), sa + b - 1, a.nblk, n, acc);
         }
-        last = turn, turn = turn + 1 == Tl::kResults ? 0 : turn + 1;
       }
+      const uint8_t* last = panel + (size_t)(w.nblk - 1) * w.block_bytes;
+      fold(dots[(w.nblk - 1) & 1], (const float*)(last + (size_t)w.bs * 8), sa + w.nblk - 1, a.nblk, n, acc);
+      float* o = out + ((size_t)(p - q0) * nr + (r - r0)) * kPanel;
+#pragma GCC unroll 16
+      for (int i = 0; i < kTileRows; ++i)
+        if (i < n) _mm512_store_ps(o + i * kPanel, acc[i]);
     }
   }
-  const Pending& d = pending[last];
-  floats(dots[last], d.sw, a.scale + (size_t)d.r * a.nblk + d.b, a.nblk, d.n, d.acc);
 }
 
 // A run's results to y: gated pairs through silu_mul, else with the bias.
