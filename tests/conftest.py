@@ -60,6 +60,13 @@ def qwen_dir(work, hf_tiny) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_qwen_dir(work, hf_tiny) -> Path:
+    """The tiny Qwen2 pair with room for tools in its prompts (its byte-level tokens spell them long)."""
+    export(*hf_tiny["qwen2"], work / "pair-qwen2-long", max_len=2048)
+    return work / "pair-qwen2-long"
+
+
+@pytest.fixture(scope="session")
 def llama_dir(work, hf_tiny) -> Path:
     export(*hf_tiny["llama"], work / "pair-llama")
     return work / "pair-llama"

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-from pathlib import Path
 
 import pytest
 
 import fastapi  # noqa: F401  (the serve extra)
 import httpx
 
-from _helpers import cli, export, one_line_error
+from _helpers import cli, one_line_error
+from test_probe2_server import _error as probe2_error
 from test_server import Server
 
 MSGS = [{"role": "user", "content": "where"}]
@@ -31,15 +31,6 @@ PICK = [{"type": "function", "function": {"name": "pick", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def long_qwen_dir(work, hf_tiny):
-    """The tiny pair with room for tools in its prompts (its byte-level tokens spell them long)."""
-    d = work / "pair-qwen2-long"
-    if not d.exists():
-        export(*hf_tiny["qwen2"], d, max_len=2048)
-    return d
-
-
-@pytest.fixture(scope="module")
 def server(long_qwen_dir):
     s = Server(long_qwen_dir, "--batch-size", "1")
     yield s
@@ -47,10 +38,9 @@ def server(long_qwen_dir):
 
 
 def _error(r, status: int) -> dict:
-    """The OpenAI error object of a reply that must have `status`."""
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"] and "\n" not in err["message"], err
+    """The OpenAI error object of a reply that must have `status`, its message on one line."""
+    err = probe2_error(r, status)
+    assert "\n" not in err["message"], err
     return err
 
 

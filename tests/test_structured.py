@@ -380,17 +380,6 @@ MSGS = [{"role": "user", "content": "pick"}]
 
 
 @pytest.fixture(scope="module")
-def long_qwen_dir(work, hf_tiny):
-    """The tiny pair with room for tools in its prompts (its byte-level tokens spell them long)."""
-    from _helpers import export
-
-    d = work / "pair-qwen2-long"
-    if not d.exists():
-        export(*hf_tiny["qwen2"], d, max_len=2048)
-    return d
-
-
-@pytest.fixture(scope="module")
 def server(long_qwen_dir):
     from test_server import Server
 

@@ -37,7 +37,6 @@ _STACK = threading.Lock()  # threading.stack_size is process-wide
 @dataclass
 class _Known:
     error: str = ""  # why the grammar is refused ("": it starts)
-    text: str = ""  # compiled
     mb: float = 0.0  # what its matcher took to start, in the checker
     matcher: object = None  # at the start of the output: each request runs a copy
 
@@ -112,8 +111,7 @@ class Grammars:
     def start(self, g: Grammar) -> Constraint:
         """A request's matcher, at the start of its output."""
         k = self._entry(g)
-        m = k.matcher if k.matcher is not None else on_big_stack(self._build, g, k.text)
-        return Constraint(m.deep_copy(), self.tokenizer, self.vocab, start=m)
+        return Constraint(k.matcher.deep_copy(), self.tokenizer, self.vocab, start=k.matcher)
 
     def close(self) -> None:
         with self._checking:
@@ -151,9 +149,9 @@ class Grammars:
         answer = self._ask(g)
         if "error" in answer:
             return _Known(error=answer["error"])
-        k = _Known(text=answer["text"], mb=answer["mb"])
+        k = _Known(mb=answer["mb"])
         try:
-            k.matcher = on_big_stack(self._build, g, k.text)
+            k.matcher = on_big_stack(self._build, g, answer["text"])
         except ConfigError as e:
             k.error = str(e).removeprefix(f"invalid {g.what}: ")
         return k
