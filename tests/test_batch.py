@@ -14,7 +14,8 @@ import pytest
 from specrt.api.pair import generate_batch
 from specrt.api.requests import check
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.decoding.batch import BatchDecoder, Ragged, Request
+from specrt.decoding.batch import Ragged
+from specrt.decoding.decode import Request
 from specrt.engines.select import batch_engine
 from specrt.errors import ConfigError
 
@@ -50,7 +51,7 @@ def _requests(pair, k, sampling=SamplingConfig(), seeds=None, max_new=MAX_NEW, p
 
 
 def _run_batch(pair, reqs, B, totals=None):
-    with BatchDecoder(pair, B) as dec:
+    with pair.runner(B) as dec:
         out = dict(dec.run(reqs))
         if totals is not None:
             totals.update(dec.totals.as_dict())
@@ -182,7 +183,7 @@ def test_fewer_requests_than_slots_and_reuse(qwen_pair):
     pair = qwen_pair
     reqs = _requests(pair, 3)[:2]
     alone = [_alone(pair, r.prompt, r.cfg) for r in reqs]
-    with BatchDecoder(pair, 5) as dec:
+    with pair.runner(5) as dec:
         for _ in range(2):
             got = dict(dec.run(reqs))
             for r, a in zip(reqs, alone):
@@ -263,8 +264,8 @@ def test_bad_requests(qwen_pair):
     with pytest.raises(ConfigError, match="empty"):
         check(m, [], ok, batched=True)
     with pytest.raises(ConfigError, match="batch size"):
-        BatchDecoder(pair, 0)
-    with BatchDecoder(pair, 2) as dec:  # auto is a batch row's too
+        pair.runner(0)
+    with pair.runner(2) as dec:  # auto is a batch row's too
         (_, res), = dec.run([Request(0, [5, 6, 7], dataclasses.replace(ok, draft_len="auto"))])
     assert res.tokens == pair.generate([5, 6, 7], max_new_tokens=ok.max_new_tokens, draft_len=0).tokens
 
@@ -277,8 +278,8 @@ def test_batch_that_does_not_fit_in_memory_is_refused(qwen_pair, monkeypatch):
     need = kv_bytes(m, 4, m.max_len + m.max_draft_len + 1)
     monkeypatch.setattr(memory, "available_bytes", lambda: need - 1)
     with pytest.raises(ConfigError, match="use a batch size <= 3"):
-        BatchDecoder(qwen_pair, 4)
-    BatchDecoder(qwen_pair, 3).close()
+        qwen_pair.runner(4)
+    qwen_pair.runner(3).close()
 
 
 @needs_kernels

@@ -86,12 +86,12 @@ def test_draft_never_proposes_a_dropped_id(vocab_pair, vocab_dir):
 
 
 def test_batch_equals_alone(vocab_pair):
-    from specrt.decoding.batch import BatchDecoder, Request
+    from specrt.decoding.decode import Request
 
     cfg = vocab_pair.config(max_new_tokens=16, draft_len=3, drafter="model")
     ids = [vocab_pair.encode(p) for p in PROMPTS]
     alone = [vocab_pair.run(p, cfg).tokens for p in ids]
-    with BatchDecoder(vocab_pair, 2) as dec:
+    with vocab_pair.runner(2) as dec:
         got = dict(dec.run([Request(i, p, cfg) for i, p in enumerate(ids)]))
     assert [got[i].tokens for i in range(len(ids))] == alone
 

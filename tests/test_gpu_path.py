@@ -126,7 +126,7 @@ def test_int4_with_fp16_activations(work, hf_tiny):
 
 
 def test_batch_needs_the_lean_graph(portable_dir):
-    from specrt.decoding.batch import BatchDecoder
+    
     from specrt.engines.select import batch_engine
 
     with specrt.load(portable_dir, device="cpu") as pair:
@@ -134,7 +134,7 @@ def test_batch_needs_the_lean_graph(portable_dir):
                                               "has standard-op .* re-export"):
             batch_engine(pair.dir, pair.target, 64, 1, 2)
         with pytest.raises(ConfigError, match="lean onnxruntime graph"):
-            BatchDecoder(pair, 2)
+            pair.runner(2)
     base = types.SimpleNamespace(device="tensorrt", entry=types.SimpleNamespace(graph="portable"))
     with pytest.raises(ConfigError, match="TensorRT engines run one sequence"):
         batch_engine(portable_dir, base, 64, 1, 2)

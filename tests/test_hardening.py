@@ -286,7 +286,7 @@ def test_seeded_sampling_alone_equals_batched_on_long_prompts(qwen_pair, qwen_di
     """Prompts longer than the draft's catch-up window (32 on the CPU): alone (the API and `specrt generate`),
     after a request sharing a long prefix (the draft's memory keeps it) and as rows of the batched decoder
     (`specrt batch`), the same seeded draws."""
-    from specrt.decoding.batch import BatchDecoder, Request
+    from specrt.decoding.decode import Request
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, qwen_pair.manifest.vocab_size, n).tolist() for n in (40, 75, 120)]
@@ -299,7 +299,7 @@ def test_seeded_sampling_alone_equals_batched_on_long_prompts(qwen_pair, qwen_di
     for p, want in zip(prompts, alone):
         qwen_pair.run(p[:-5], cfg)  # leaves all but the last 5 tokens in the draft's memory
         assert qwen_pair.run(p, cfg).tokens == want
-    with BatchDecoder(qwen_pair, 3) as dec:
+    with qwen_pair.runner(3) as dec:
         got = dict(dec.run([Request(i, p, cfg) for i, p in enumerate(prompts)]))
     assert [got[i].tokens for i in range(3)] == alone
     if drafter == "hybrid":

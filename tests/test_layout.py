@@ -82,6 +82,24 @@ def test_each_room_imports_only_the_rooms_below_it():
     assert bad == []
 
 
+def test_the_algorithm_takes_no_session():
+    """decoding/ is typed on engines and rows: no function of it takes a pair (the session, api/pair.Pair) or
+    reads one's members; the session wires the round (api/runner.py)."""
+    bad = []
+    for f, mod in _modules():
+        if _room(mod) != "decoding":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+                names = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+                bad += [f"{mod} line {node.lineno}: parameter {n}" for n in names if "pair" in n.lower()]
+            elif isinstance(node, ast.Attribute) and "pair" in node.attr.lower():
+                bad.append(f"{mod} line {node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.Name) and node.id in ("Pair", "pair"):
+                bad.append(f"{mod} line {node.lineno}: {node.id}")
+    assert bad == []
+
+
 def test_no_specrt_imports_inside_functions_but_the_clis():
     """The CLI imports per command (keeps `specrt --help` fast); every other module imports specrt at its top,
     except the export's torch-bound graph module, imported when a model is exported (commented there)."""

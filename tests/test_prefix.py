@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specrt.config import GenerationConfig, SamplingConfig
-from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.decode import Request
 from specrt.decoding.prefix import PromptCache
 from _helpers import KERNELS_RUN, needs_kernels
 
@@ -169,7 +169,7 @@ def test_batch_rows_keep_their_previous_prompt_exactly(request, which, B):
     for i, p in enumerate(prompts):
         pair.forget_caches()
         alone[i] = pair.run(p, cfg)
-    with BatchDecoder(pair, B) as dec:
+    with pair.runner(B) as dec:
         out = dict(dec.run([Request(i, p, cfg) for i, p in enumerate(prompts)]))
     for i in range(len(prompts)):
         assert out[i].tokens == alone[i].tokens

@@ -16,7 +16,7 @@ import pytest
 from _helpers import cli, one_line_error
 from specrt.api.grammars import Grammars
 from specrt.config import GenerationConfig, Grammar
-from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.decode import Request
 from specrt.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ def test_a_row_whose_grammar_fails_to_start_fails_alone(qwen_pair):
     good = GenerationConfig(max_new_tokens=4, draft_len=2)
     bad = GenerationConfig(max_new_tokens=4, draft_len=2, grammar=Grammar("lark", chain_of_rules(3000)))
     reqs = [Request(i, [5 + i, 6, 7], bad if i == 2 else good) for i in range(5)]
-    with BatchDecoder(qwen_pair, 2) as dec:
+    with qwen_pair.runner(2) as dec:
         out = dict(dec.run(reqs))
     assert isinstance(out[2], ConfigError) and "nest too deeply" in str(out[2])
     for i in (0, 1, 3, 4):
@@ -158,7 +158,7 @@ def test_a_grammar_is_checked_and_built_once_and_never_on_the_decoding_thread(qw
 def test_a_request_cancelled_while_it_waited_starts_no_grammar(qwen_pair):
     cfg = GenerationConfig(max_new_tokens=4, grammar=Grammar("regex", "[a-z]+"))
     started = []
-    with BatchDecoder(qwen_pair, 2) as dec:
+    with qwen_pair.runner(2) as dec:
         dec.constrain = lambda g: started.append(g)
         (_, res), = dec.run([Request(0, [5, 6], cfg, cancel=lambda: True)])
     assert res.finish_reason == "cancelled" and started == []

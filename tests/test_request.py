@@ -13,8 +13,7 @@ from specrt.api.pair import generate_batch
 from specrt.apps import jobs
 from specrt.apps.serve import http
 from specrt.config import MAX_NEW_TOKENS, GenerationConfig, SamplingConfig
-from specrt.decoding.batch import BatchDecoder
-from specrt.decoding.decode import Request
+from specrt.decoding.decode import Decoder, Request
 from specrt.errors import ConfigError
 
 SETTINGS = dict(max_new_tokens=9, temperature=0.7, top_k=5, top_p=0.9, seed=11, stop=["\n\n"], draft_len=3,
@@ -37,13 +36,13 @@ def test_every_setting_reaches_the_request_from_every_python_front_end(qwen_pair
         s.text()
     assert got == [WANT, WANT]
     seen = []
-    start = BatchDecoder._start
+    start = Decoder._start
 
     def spy_start(self, r, req):
         seen.append(req.cfg)
         return start(self, r, req)
 
-    monkeypatch.setattr(BatchDecoder, "_start", spy_start)
+    monkeypatch.setattr(Decoder, "_start", spy_start)
     generate_batch(qwen_pair, ["def f(x):", "def g(y):"], batch_size=2, **SETTINGS)
     assert seen == [WANT, WANT]
 
@@ -114,7 +113,7 @@ def test_a_request_alone_and_as_a_batch_row_end_alike(qwen_pair):
     alone = pair.run(prompt, cfg)
     kept_alone = history.buf.copy()
     history.clear()
-    with BatchDecoder(pair, 2) as dec:
+    with pair.runner(2) as dec:
         (_, row), = dec.run([Request(0, prompt, cfg)])
     kept_batch = history.buf.copy()
     history.clear()
@@ -130,7 +129,7 @@ def test_a_request_cancelled_before_it_starts_reads_nothing(qwen_pair):
     prompt = qwen_pair.encode("def f(x):")
     res = qwen_pair.generate(prompt, max_new_tokens=8, cancel=lambda: True)
     assert res.finish_reason == "cancelled" and res.tokens == [] and res.stats["target_passes"] == 0
-    with BatchDecoder(qwen_pair, 2) as dec:
+    with qwen_pair.runner(2) as dec:
         cfg = qwen_pair.settings({"max_new_tokens": 8, "draft_len": 2}, batched=True, prompt=prompt)
         (_, row), = dec.run([Request(0, prompt, cfg, cancel=lambda: True)])
     assert row.finish_reason == "cancelled" and row.tokens == [] and dec.totals.prefills == 0

@@ -11,7 +11,7 @@ from _helpers import P_MIN, FakeEngine, chi2_pvalue, cli, one_line_error, sequen
 from specrt.config import GenerationConfig, Grammar, SamplingConfig
 from specrt.decoding.constraint import Constraint
 from specrt.decoding.decode import decode
-from specrt.decoding.policy import Auto, Fixed, PolicyConfig
+from specrt.decoding.policy import Auto, Fixed, Forced, PolicyConfig
 from specrt.decoding.proposers import GrammarProposer, LookupProposer, ModelProposer
 from specrt.decoding.sampling import warp
 from specrt.errors import ConfigError
@@ -108,8 +108,9 @@ def _exact(target, prompt, cfg, n=3, V=5):
 def _fake_run(target, draft, prompt, g, k, V=5, auto=False, forced=True):
     c = Constraint(FakeMatcher(rule, V, prompt[-1]), ByteTokens, V)
     proposers = [] if draft is None else [ModelProposer(draft, V)]
-    policy = (Auto if auto else Fixed)(*((proposers, k) if auto else (k, proposers)),
-                                       config=PolicyConfig(forced=forced), forced=GrammarProposer(c))
+    policy = (Auto if auto else Fixed)(*((proposers, k) if auto else (k, proposers)))
+    if forced:
+        policy = Forced(policy, GrammarProposer(c), PolicyConfig().forced_first)
     return decode(target, policy, prompt, g, V, frozenset(), constraint=c)
 
 
@@ -158,7 +159,7 @@ def test_a_lookup_proposal_that_leaves_the_grammar_is_cut_before_the_target_pass
     assert c.cut(np.array([0, 1, 3])) == 3 and c.cut(np.array([0, 1, 0])) == 2 and c.forced(8) == []
     c.commit([0])
     assert c.forced(8) == [1, 3] and c.allowed(()).sum() == 1
-    policy = Fixed(4, [LookupProposer()], forced=GrammarProposer(Constraint(FakeMatcher(rule, V, 2), ByteTokens, V)))
+    policy = Forced(Fixed(4, [LookupProposer()]), GrammarProposer(Constraint(FakeMatcher(rule, V, 2), ByteTokens, V)), 2)
     g = GenerationConfig(max_new_tokens=12, draft_len=4, grammar=Grammar("regex", "fake"))
     out, _, _ = decode(target, policy, prompt, g, V, frozenset(), constraint=policy.forced.constraint)
     assert all(b in rule(a) for a, b in zip(prompt[-1:] + out, out))
@@ -181,7 +182,7 @@ def test_a_grammar_that_allows_nothing_ends_the_request_with_length_and_says_why
 
     c = Constraint(FakeMatcher(dead, V, prompt[-1]), ByteTokens, V)
     g = GenerationConfig(max_new_tokens=10, draft_len=2, grammar=Grammar("regex", "fake"))
-    out, reason, st = decode(FakeEngine(0, V), Fixed(2, [], forced=GrammarProposer(c)), prompt, g, V, frozenset(),
+    out, reason, st = decode(FakeEngine(0, V), Forced(Fixed(2, []), GrammarProposer(c), 2), prompt, g, V, frozenset(),
                              constraint=c)
     assert out == [4] and reason == "length" and "allows no token" in st.grammar_error
 

@@ -239,7 +239,7 @@ def check_memory(pair_dir, manifest: Manifest, batch: int = 1, available: int | 
 
 
 def kv_bytes(m, batch: int, cache_len: int, draft: bool = True) -> int:
-    """Bytes of the batch KV caches of both models (allocated in full when a BatchDecoder is made);
+    """Bytes of the batch KV caches of both models (allocated in full when a batch runner is made, api/runner.py);
     `draft=False`: of the target's alone (a pair loaded without its draft model)."""
     return sum(e.num_layers * 2 * cache_len * batch * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
                for e in (m.target, m.draft if draft else None) if e is not None)

@@ -24,13 +24,13 @@ import numpy as np
 from specrt.api import memory, requests
 from specrt.api.text import TextCodec, TextStream
 from specrt.config import HISTORY_CAP, GenerationConfig
-from specrt.decoding.batch import BatchDecoder
 from specrt.api.grammars import Grammars
+from specrt.api.runner import Runner
 from specrt.decoding.constraint import Constraint
-from specrt.decoding.decode import Decoder, Request, Result, Single
-from specrt.decoding.policy import CostModel, PolicyConfig, PolicyState, build
+from specrt.decoding.decode import Request, Result
+from specrt.decoding.policy import CostModel, PolicyConfig, PolicyState
 from specrt.decoding.prefix import PromptCache
-from specrt.decoding.proposers import DraftMemory, History, model_drafter
+from specrt.decoding.proposers import DraftMemory, History
 from specrt.engines import select
 from specrt.errors import ConfigError, PairError
 from specrt.manifest import read_manifest, verify_files
@@ -321,31 +321,23 @@ class Pair:
 
     def _run(self, prompt: list[int], cfg: GenerationConfig, on_text: Callable[[str], None] | None,
              cancel: Callable[[], bool] | None) -> Result:
-        """One generation; the caller holds the lock. A batch of one over the pair's batch-1 engines: the
-        round and the end of request of every batch (decoding/decode.Decoder)."""
-        self.check(prompt, cfg)
-        if not self.share_prefix:
-            self.forget_caches()
-        dec = Decoder(Single(self.target, self.prompt_cache), lambda: Single(self.draft), self.manifest.vocab_size,
-                      frozenset(self.manifest.eos_token_ids), lambda r, c, g: self.policy(c, constraint=g),
-                      text=self.text_stream, history=self.state.history, constrain=self.grammars.start)
+        """One generation; the caller holds the lock. A batch of one over the pair's batch-1 engines."""
         req = Request(None, prompt, cfg, on_text, lambda: self._closing.is_set() or (cancel is not None and bool(cancel())))
-        (_, res), = dec.run([req])
+        (_, res), = Runner(self).decode([req])
         if isinstance(res, ConfigError):
             raise res
         self.last_result = res
         return res
 
-    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, config: PolicyConfig | None = None,
-               constraint: Constraint | None = None):
-        """The draft-length policy and proposers of a request (decoding/policy.build), learning into `state`
-        (default: the Pair's); `constraint`: its grammar's state (structured output)."""
+    def runner(self, batch_size: int | None = None) -> Runner:
+        """The one door into the round (api/runner.py): None, requests alone on this pair's engines; an
+        integer, a batch of that many rows (its KV caches allocated now). `runner.run(requests)` holds the pair."""
+        return Runner(self, batch_size)
 
-        model = model_drafter(self.draft, self.manifest.vocab_size, self.draft_ids, self.draft_memory, cfg.draft_window,
-                              self.device)
-        return build(cfg.draft_len, cfg.drafter, self.manifest.max_draft_len, self.state if state is None else state,
-                     model if self.draft is not None else None, cfg.ngram_max,
-                     self.policy_config if config is None else config, constraint)
+    def policy(self, cfg: GenerationConfig, state: PolicyState | None = None, constraint: Constraint | None = None):
+        """The draft-length policy and proposers a request alone gets (decoding/policy.build), learning into
+        `state` (default: the Pair's); `constraint`: its grammar's state (structured output)."""
+        return Runner(self).policy(0, cfg, constraint, state)
 
     def close(self) -> None:
         """Release the sessions and caches. Idempotent.
@@ -480,7 +472,7 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
                   draft_window=draft_window, ngram_max=ngram_max, sampling=sampling, json_schema=json_schema,
                   regex=regex, grammar=grammar, response_format=response_format)
     reqs = []
-    with BatchDecoder(pair, batch_size) as dec:
+    with pair.runner(batch_size) as dec:
         for i, (p, s) in enumerate(zip(prompts, seeds)):
             ids = pair.encode(p, chat)
             reqs.append(Request(i, ids, pair.settings({**fields, "seed": s}, batched=True, prompt=ids)))

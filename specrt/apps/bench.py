@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.config import MAX_NEW_TOKENS, SamplingConfig
-from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.decode import Request
 from specrt.decoding.proposers import History
 from specrt.errors import ConfigError
 
@@ -195,7 +195,7 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
                     max_new_tokens: int = MAX_NEW_TOKENS, repeats: int = 1, sampling: SamplingConfig = SamplingConfig(),
                     seed: int = 0, drafter: str = "model", progress=None) -> dict:
     """Aggregate tokens/s per (draft length, batch size): the whole prompt list runs through one
-    BatchDecoder (slots are refilled as rows finish), rate = generated tokens / wall seconds of that
+    batch runner (slots are refilled as rows finish), rate = generated tokens / wall seconds of that
     run, prefills included. Settings are interleaved inside each repeat; medians over repeats;
     speedups against batch 1, draft length 0 of the same run. A draft length "auto" plans each round
     against the batch's pass (decoding/policy.py)."""
@@ -206,13 +206,13 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
     try:
         for k, b in settings:  # one decoder (KV caches) per batch size; warm-up and validation up front
             if b not in decoders:
-                decoders[b] = BatchDecoder(pair, b)
+                decoders[b] = pair.runner(b)
             list(decoders[b].run([Request(0, prompts[0].ids, cfgs[k])]))
         runs = {s: [] for s in settings}
         for _ in range(repeats):
             for k, b in settings:
                 dec = decoders[b]
-                dec.totals = type(dec.totals)(batch_size=b)
+                dec.reset_totals()
                 if pair.state.history is not None:  # each run drafts only from its own earlier outputs
                     pair.state.history.clear()
                 t0 = time.perf_counter()

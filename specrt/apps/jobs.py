@@ -58,7 +58,7 @@ from specrt.api.pair import load
 from specrt.api.grammars import Grammars
 from specrt.api.text import TextCodec, check_text
 from specrt.config import HISTORY_CAP, MAX_NEW_TOKENS, GenerationConfig, needs_draft_model
-from specrt.decoding.batch import BatchDecoder, Request
+from specrt.decoding.decode import Request
 from specrt.decoding.proposers import History
 from specrt.errors import ConfigError, SpecrtError, first_line
 from specrt.manifest import read_manifest, sha256_file
@@ -497,7 +497,7 @@ class Runner:
                     break
                 tokens, t0 = 0, time.perf_counter()
                 try:
-                    dec = BatchDecoder(self.pair, b)
+                    dec = self.pair.runner(b)
                 except ConfigError as e:  # its KV caches do not fit: neither will larger batches
                     self.log(f"batch size auto: {b} skipped ({e})")
                     break
@@ -515,9 +515,9 @@ class Runner:
                 self.chosen = max(1, min(4, len(reqs)))
                 self.log(f"batch size auto: too few records to measure, using {self.chosen}")
         if i < len(reqs):
-            if self._dec is None or self._dec.B != self.chosen:
+            if self._dec is None or self._dec.batch_size != self.chosen:
                 self.close()
-                self._dec = BatchDecoder(self.pair, self.chosen)
+                self._dec = self.pair.runner(self.chosen)
             yield from self._dec.run(reqs[i:])
 
     def close(self) -> None:

@@ -45,20 +45,11 @@ reads its prompt by the lone run's catch-up rule (proposers.model_drafter), so a
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-
 import numpy as np
 
-from specrt.config import GenerationConfig
-from specrt.decoding.constraint import Constraint
-from specrt.decoding.decode import WAIT, Decoder, Request
-from specrt.decoding.policy import PolicyState, build
 from specrt.decoding.prefix import PromptCache
-from specrt.decoding.proposers import ModelProposer, model_drafter
-from specrt.errors import ConfigError
 
-__all__ = ["WAIT", "BatchDecoder", "Ragged", "Request"]
+__all__ = ["Ragged"]
 
 PAD_ID = 0  # token fed in padded positions (never written to a cache, their logits never read)
 
@@ -139,61 +130,3 @@ class Ragged:
 
     def close(self) -> None:
         self.e.close()
-
-
-
-class BatchDecoder(Decoder):
-    """Speculative decoding of many requests over a batch of `batch_size` rows of the pair's models.
-
-    Holds the pair while `run` is iterated (a `pair.generate` meanwhile raises ConfigError) and builds
-    batch engines over the pair's loaded sessions, on the pair's device.
-    """
-
-    def __init__(self, pair, batch_size: int):
-        if batch_size < 1:
-            raise ConfigError(f"batch size must be >= 1, got {batch_size}")
-        self.pair = pair
-        m = pair.manifest
-        self.max_width = m.max_draft_len + 1
-        self.cache_len = m.max_len + self.max_width  # the rotary tables of a lean graph cover this many positions
-        target = Ragged(pair.batch_engine("target", batch_size, self.cache_len, self.max_width), self.max_width)
-        # What its rows learn and plan with: the pair's acceptance to start from, the costs of this batch's
-        # passes by the tokens they compute, the pair's history of outputs.
-        self.state = PolicyState(acceptance=copy.deepcopy(pair.state.acceptance), history=pair.state.history)
-        super().__init__(target, self._draft_rows, m.vocab_size, frozenset(m.eos_token_ids), self._policy,
-                         text=pair.text_stream, history=pair.state.history,
-                         share_prefix=getattr(pair, "share_prefix", True), constrain=pair.grammars.start)
-
-    def _draft_rows(self) -> Ragged:  # made on first need: a target-only job allocates no draft cache
-        return Ragged(self.pair.batch_engine("draft", self.B, self.cache_len, 1), self.max_width)
-
-    def _policy(self, r: int, cfg: GenerationConfig, constraint: Constraint | None):
-        def model(skip: int | None) -> ModelProposer:  # the lone run's window and skip; no memory across requests
-            return model_drafter(self.draft.e.row(r), self.vocab, self.pair.draft_ids, None, cfg.draft_window,
-                                 self.pair.device)(skip)
-
-        return build(cfg.draft_len, cfg.drafter, self.pair.manifest.max_draft_len, self.state, model=model,
-                     ngram_max=cfg.ngram_max, config=self.pair.policy_config, constraint=constraint)
-
-    def check(self, req: Request) -> None:
-        """Raise ConfigError for a request this decoder cannot run (the pair's check of a batch row)."""
-        self.pair.check(req.prompt, req.cfg, batched=True)
-
-    def finished(self, requests):
-        for cache in (self.target, self._draft):
-            if cache is not None:
-                cache.reset()  # rows of a run that was abandoned midway
-        hold = getattr(self.pair, "exclusive", None)  # the pair's batch-1 engines are ours while this runs
-        with hold() if hold is not None else contextlib.nullcontext():
-            yield from super().finished(requests)
-
-    def close(self) -> None:
-        self.target.close()
-        if self._draft is not None:
-            self._draft.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -243,14 +243,16 @@ class Decoder:
     `draft()` on first need: a target-only run allocates no draft cache). `policy(r, cfg, constraint)` builds
     a request's policy and proposers for row r; `text(stop)` its text stream (None: no text, TokenStream);
     `history`: where every finished request's output goes (the suffix proposer drafts from it);
-    `constrain(grammar)`: a constrained request's Constraint (api/grammars.Grammars.start)."""
+    `constrain(grammar)`: a constrained request's Constraint (api/grammars.Grammars.start); `check(req)` raises
+    ConfigError for a request these rows cannot run (it then ends alone, the others go on)."""
 
     def __init__(self, target: Rows, draft: Callable[[], Rows], vocab: int, eos_ids: frozenset[int],
                  policy: Callable[[int, GenerationConfig, Constraint | None], Policy],
                  text: Callable[[tuple[str, ...]], Any] | None = None, history: History | None = None,
-                 share_prefix: bool = True, constrain: Callable[[Grammar], Constraint] | None = None):
+                 share_prefix: bool = True, constrain: Callable[[Grammar], Constraint] | None = None,
+                 check: Callable[[Request], None] | None = None):
         self.target, self._make_draft, self._draft = target, draft, None
-        self.constrain = constrain
+        self.constrain, self.check = constrain, check or (lambda req: None)
         self.vocab, self.eos, self.policy_for, self.history = vocab, eos_ids, policy, history
         self.text, self.share_prefix = text or (lambda stop: TokenStream()), share_prefix
         self.B = target.batch
@@ -263,6 +265,11 @@ class Decoder:
         if self._draft is None:
             self._draft = self._make_draft()
         return self._draft
+
+    @property
+    def made(self) -> list[Rows]:
+        """The rows made so far: the target's, and the draft model's once a request needed them."""
+        return [self.target] + ([self._draft] if self._draft is not None else [])
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[Any, Result | ConfigError]]:
         """Yield (key, Result) for each request, in order of completion; (key, ConfigError) for one that
@@ -388,9 +395,6 @@ class Decoder:
             p = done[r]
             done[r] = Proposal(p.tokens, p.p_draft, p.passes, seconds, tokens)
         return done, passes
-
-    def check(self, req: Request) -> None:
-        """Raise ConfigError for a request this decoder cannot run (a batched decoder checks each row)."""
 
     def _start(self, r: int, req: Request) -> _Row:
         cfg = req.cfg

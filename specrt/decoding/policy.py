@@ -45,7 +45,9 @@ from specrt.decoding.proposers import (Found, GrammarProposer, History, LookupPr
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """The policy's settings. A variant to compare is `dataclasses.replace(PolicyConfig(), field=...)`."""
+    """The policy's settings: numbers only. Each mechanism whose switched-off variant lost in bench/RESULTS.md
+    ("The draft-length policy: what each mechanism gains") is simply the code; a variant to compare is
+    `dataclasses.replace(PolicyConfig(), field=...)`, or an alternative part kept in bench/."""
 
     # acceptance per position a request starts from when nothing was learned yet
     prior: float = 0.7
@@ -59,21 +61,6 @@ class PolicyConfig:
     probe_budget: float = 0.015
     # every this many drafting rounds, draft one token more than the estimate says (0: never)
     widen_every: int = 8
-    # skip drafting when its first catch-up pass costs more than drafting can save in the request
-    catchup_gate: bool = True
-    # learn the draft model's acceptance by the target's confidence; plain rounds follow it
-    calibration: bool = True
-    # plan a request on the costs as they were when it started (a seed then reproduces)
-    snapshot: bool = True
-    # one estimate per matched suffix length of a lookup proposal (1, 2, 3-7, 8+), else one for all
-    lookup_kinds: bool = True
-    # hybrid: score each lookup proposal against what the target emitted, whether it drafted or not
-    shadow: bool = True
-    # hybrid: offer a round with a lookup proposal to the model when the model is expected to pay more
-    switch: bool = True
-    # hybrid auto: the lookup also searches earlier requests' outputs (the suffix proposer), when the pair
-    # keeps a history (a fixed draft length keeps a request's draws its own: prompt lookup only)
-    history: bool = True
     # the suffix proposer drafts a token from the history only where at least this share of the matched
     # earlier occurrences continue with it (where they disagree it stops; at the first token, the request's
     # own lookup proposes instead); 0: the most frequent continuation wherever it goes
@@ -86,7 +73,6 @@ class PolicyConfig:
     skip: int | None = 8
     # a constrained request drafts what its grammar forces, free (decoding/constraint.py): in place of the
     # policy's proposer when it forces at least `forced_first` tokens, or when the proposer would draft none
-    forced: bool = True
     forced_first: int = 2
 
 
@@ -306,7 +292,7 @@ class Controller:
         best_k, rate = self.best(limit, catchup, batch)
         if rate is None:
             return best_k
-        if (self.c.catchup_gate and batch is None and best_k and behind > 2 and remaining > 0
+        if (batch is None and best_k and behind > 2 and remaining > 0
                 and not self.free_draft):
             # drafting first needs a catch-up pass: worth it only if drafting saves that much
             if remaining * (self.costs.target(1) - 1.0 / rate) < self.catchup_cost(behind):
@@ -350,26 +336,13 @@ class Policy(Protocol):
 
 
 class _Base:
-    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: PolicyConfig,
-                 forced: Proposer | None = None):
+    def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState, config: PolicyConfig):
         self.proposers, self.max_k, self.state, self.c = tuple(proposers), max_k if proposers else 0, state, config
         self.lookup = next((p for p in proposers if p.free), None)
         self.model = next((p for p in proposers if not p.free), None)
-        self.forced = forced if config.forced else None  # what a constraint forces (GrammarProposer)
         self.spent = 0.0  # seconds of draft and verify passes
 
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
-        found = self.forced.find(seq, limit) if self.forced is not None and limit > 0 else None
-        n = len(found.tokens) if found is not None else 0
-        if n >= self.c.forced_first:
-            return self._forced_round(n)
-        src, k = self.choose(seq, limit, left, batch)
-        return self._forced_round(n) if n and not k else (src, k)
-
-    def _forced_round(self, n: int) -> tuple[Proposer, int]:
-        return self.forced, n
-
-    def choose(self, seq: list[int], limit: int, left: int, batch: Batch | None) -> tuple[Proposer | None, int]:
         raise NotImplementedError
 
     def start(self, prompt: list[int]) -> None:
@@ -382,6 +355,10 @@ class _Base:
             p.commit(valid)
 
     def observe(self, r: Round) -> None:
+        self.observe_costs(r)
+
+    def observe_costs(self, r: Round) -> None:
+        """What the round's passes cost (a round that teaches no estimate, e.g. a grammar-forced one)."""
         costs, prop = self.state.costs, r.proposal
         if prop.passes:  # per draft step; a catch-up pass after rounds without drafting is not one
             costs.observe_draft(r.draft_s - prop.catchup_s, prop.passes - (prop.catchup_s > 0))
@@ -402,10 +379,10 @@ class Fixed(_Base):
     tokens (a 1-token match is right ~20% of the time, the model's first token ~80% on code)."""
 
     def __init__(self, k: int, proposers: Sequence[Proposer], state: PolicyState | None = None,
-                 config: PolicyConfig = PolicyConfig(), forced: Proposer | None = None):
-        super().__init__(proposers, k, state or PolicyState(), config, forced)
+                 config: PolicyConfig = PolicyConfig()):
+        super().__init__(proposers, k, state or PolicyState(), config)
 
-    def choose(self, seq: list[int], limit: int, left: int, batch: Batch | None) -> tuple[Proposer | None, int]:
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         if limit <= 0:
             return None, 0
         if self.lookup is not None:
@@ -419,8 +396,8 @@ class Auto(_Base):
     """draft_len="auto" (module docstring)."""
 
     def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState | None = None,
-                 config: PolicyConfig = PolicyConfig(), forced: Proposer | None = None):
-        super().__init__(proposers, max_k, state or PolicyState(), config, forced)
+                 config: PolicyConfig = PolicyConfig()):
+        super().__init__(proposers, max_k, state or PolicyState(), config)
         self.hybrid = self.lookup is not None and self.model is not None
 
     def start(self, prompt: list[int]) -> None:
@@ -430,10 +407,10 @@ class Auto(_Base):
         # random draws) depend only on that snapshot, the seed and the tokens. A snapshot lacking a cost
         # they need (a fresh, untuned pair) would freeze them on their opening guess: they follow the live one.
         complete = bool(costs.target_s) and (costs.draft_s is not None or self.model is None)
-        self.costs = copy.deepcopy(costs) if complete and self.c.snapshot else costs
+        self.costs = copy.deepcopy(costs) if complete else costs
         self.autos: dict[str, Controller] = {}
         self.predicted_tokens = self.predicted_s = 0.0
-        self.calib = self.state.calibration if self.c.calibration and self.model is not None else None
+        self.calib = self.state.calibration if self.model is not None else None
         # this round's (proposer, controller, whether planned, what the lookup found)
         self._plan: tuple[Proposer | None, Controller | None, bool, Found | None] = (None, None, False, None)
 
@@ -449,11 +426,7 @@ class Auto(_Base):
                                           accept=list(prior.get(kind) or prior.get(family, [])))
         return self.autos[kind]
 
-    def _forced_round(self, n: int) -> tuple[Proposer, int]:
-        self._plan = (self.forced, None, False, None)  # nothing to learn: the grammar is no estimate's
-        return self.forced, n
-
-    def choose(self, seq: list[int], limit: int, left: int, batch: Batch | None) -> tuple[Proposer | None, int]:
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         self._plan = (None, None, False, None)
         if limit <= 0:
             return None, 0
@@ -464,7 +437,7 @@ class Auto(_Base):
                 src = self.lookup
         auto = self.controller(found.kind if src is self.lookup else src.kind)
         model_auto = self.controller(self.model.kind) if self.hybrid else None
-        if self.hybrid and src is self.lookup and self.c.switch:
+        if self.hybrid and src is self.lookup:
             # Leaving a caught-up model for a lookup round costs it a catch-up pass when it drafts again
             # (about a draft step); once it is behind, that pass is the model round's to pay.
             behind = self.model.behind(seq)
@@ -490,7 +463,7 @@ class Auto(_Base):
             self.predicted_tokens += auto.expected_tokens(r.k)
             self.predicted_s += auto.cost(r.k)
         scored = None
-        if planned and self.c.shadow and found is not None and found.matched:
+        if planned and found is not None and found.matched:
             # The lookup proposal is scored in full against what the target emitted, whether this round
             # verified all, part or none of it: a point-mass token is accepted exactly when the target's
             # token equals it (greedy), or with p_target(token). So positions past k are measured too.
@@ -521,26 +494,61 @@ class Auto(_Base):
         return out
 
 
+class Forced:
+    """Grammar-forced rounds around any policy: where a constrained request's grammar allows one continuation
+    only, its tokens are drafted free (proposers.GrammarProposer) in place of the policy's proposer when there
+    are at least `first` of them, or when the policy would draft none. A forced round teaches the policy's
+    estimates nothing (the grammar is no proposer's), only what its passes cost."""
+
+    def __init__(self, policy: Fixed | Auto, forced: GrammarProposer, first: int):
+        self.policy, self.forced, self.first = policy, forced, first
+        self.max_k = policy.max_k
+        self._forced = False  # this round's
+
+    @property
+    def model(self) -> Proposer | None:
+        return self.policy.model
+
+    def start(self, prompt: list[int]) -> None:
+        self.policy.start(prompt)
+
+    def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
+        n = len(self.forced.find(seq, limit).tokens) if limit > 0 else 0
+        self._forced = n >= self.first
+        if not self._forced:
+            src, k = self.policy.plan(seq, limit, left, batch)
+            self._forced = bool(n) and not k
+            if not self._forced:
+                return src, k
+        return self.forced, n
+
+    def commit(self, valid: int) -> None:
+        self.policy.commit(valid)
+
+    def observe(self, r: Round) -> None:
+        (self.policy.observe_costs if self._forced else self.policy.observe)(r)
+
+    def finish(self, new_tokens: int) -> dict:
+        return self.policy.finish(new_tokens)
+
+
 def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | None = None,
           model: Callable[..., ModelProposer] | None = None, ngram_max: int = 16,
-          config: PolicyConfig = PolicyConfig(), constraint: Constraint | None = None) -> Fixed | Auto:
+          config: PolicyConfig = PolicyConfig(), constraint: Constraint | None = None) -> Policy:
     """The policy for a request: `drafter` "model" | "ngram" | "suffix" | "hybrid"; `model(skip=)`
     makes the model proposer (None: the pair has no draft model); `state.history` is what the suffix
     proposer searches besides the request (none: only the request, like prompt lookup); `constraint`: the
-    request's grammar, whose forced tokens it drafts too (draft_len 0 is the target alone: none)."""
+    request's grammar, whose forced tokens it drafts too (`Forced`; draft_len 0 is the target alone: none)."""
     if draft_len == 0:
         return Fixed(0, (), state, config)
-    forced = GrammarProposer(constraint) if constraint is not None else None
     proposers: list[Proposer] = []
     history = state.history if state is not None else None
-    if drafter == "suffix" or (drafter == "hybrid" and draft_len == "auto" and config.history and history is not None):
+    if drafter == "suffix" or (drafter == "hybrid" and draft_len == "auto" and history is not None):
         proposers.append(SuffixProposer(history if history is not None else History(), ngram_max,
-                                        kinds=config.lookup_kinds, min_share=config.suffix_share))
+                                        min_share=config.suffix_share))
     elif drafter in ("ngram", "hybrid"):
-        proposers.append(LookupProposer(ngram_max, kinds=config.lookup_kinds))
+        proposers.append(LookupProposer(ngram_max))
     if needs_draft_model(drafter):
         proposers.append(model(skip=config.skip if drafter == "hybrid" else None))
-    if draft_len == "auto":
-        return Auto(proposers, max_k, state, config, forced)
-    return Fixed(int(draft_len), proposers, state, config, forced)
-
+    policy = Auto(proposers, max_k, state, config) if draft_len == "auto" else Fixed(int(draft_len), proposers, state, config)
+    return Forced(policy, GrammarProposer(constraint), config.forced_first) if constraint is not None else policy

@@ -259,8 +259,8 @@ class LookupProposer:
     name = "ngram"
     free = True
 
-    def __init__(self, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True):
-        self.max_ngram, self.min_ngram, self.kinds = max_ngram, min_ngram, kinds
+    def __init__(self, max_ngram: int = 16, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.name = self.kind = "ngram"  # of the last proposal
         self._found, self._at = None, (-1, 0)  # the last `find` and its (len(seq), k), which `propose` reuses
 
@@ -283,8 +283,6 @@ class LookupProposer:
         """The kind of a proposal that continues an n-token match ("ngram" alone: nothing matched)."""
         if not n:
             return "ngram"
-        if not self.kinds:
-            return f"{family}-any"
         return f"{family}8" if n >= 8 else f"{family}{min(n, 3)}"
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
@@ -395,9 +393,8 @@ class SuffixProposer(LookupProposer):
     proposals' kinds are "suffix1".."suffix8" by matched length when they come from the history, the
     lookup's otherwise, so auto learns (and turns off) each apart."""
 
-    def __init__(self, history: History, max_ngram: int = 16, min_ngram: int = 1, kinds: bool = True,
-                 min_share: float = 0.5):
-        super().__init__(max_ngram, min_ngram, kinds)
+    def __init__(self, history: History, max_ngram: int = 16, min_ngram: int = 1, min_share: float = 0.5):
+        super().__init__(max_ngram, min_ngram)
         self.history, self.min_share = history, min_share
 
     def _search(self, seq: list[int], k: int) -> Found:

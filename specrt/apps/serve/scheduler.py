@@ -1,7 +1,7 @@
 """A server's requests on one Pair: a bounded queue and one worker thread that owns the pair.
 
 One request waiting runs alone (`Pair.run`: the pair's batch-1 engines). With more than one waiting they
-run through the batched decoder (decoding/batch.py), continuously: a finished row takes the next waiting
+run as the rows of a batch (`Pair.runner(batch_size)`, api/runner.py), continuously: a finished row takes the next waiting
 request, and the batch ends when no row is left. Either way a request runs the same round with the same
 settings (decoding/decode.Decoder); a row at draft_len auto plans against the cost of the batch's pass
 (decoding/policy.py). `batch_draft_len`, when given, replaces auto for batched rows.
@@ -21,7 +21,7 @@ from typing import Any
 
 from specrt.api.requests import as_batch_row
 from specrt.config import GenerationConfig
-from specrt.decoding.batch import WAIT, BatchDecoder, Request
+from specrt.decoding.decode import WAIT, Request
 from specrt.errors import ConfigError, SpecrtError
 
 log = logging.getLogger("specrt.serve")
@@ -73,7 +73,7 @@ class Scheduler:
         # Made now, so that a batch whose KV caches do not fit is refused at start (ConfigError).
         self._decoder = None
         if batch_size > 1:
-            self._decoder = BatchDecoder(pair, batch_size)
+            self._decoder = pair.runner(batch_size)
         self.running = 0
         self.recent_s: collections.deque[float] = collections.deque(maxlen=32)  # seconds of recent jobs
         self._thread = threading.Thread(target=self._work, name="specrt-scheduler", daemon=True)
