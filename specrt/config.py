@@ -105,6 +105,7 @@ class GenerationConfig:
     # ones (0: no limit; None: the device's default, decoding.proposers.default_window).
     draft_window: int | None = None
     grammar: Grammar | None = None  # the output must match it (structured output); None: free text
+    min_tokens: int = 0  # no end of text (EOS) before this many new tokens; a stop string still ends it
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -115,6 +116,9 @@ class GenerationConfig:
             raise ConfigError(f"max_new_tokens must be >= 1, got {show(self.max_new_tokens)}", param="max_new_tokens")
         if not _is_int(self.max_new_tokens):
             raise ConfigError(f"max_new_tokens must be an integer, got {show(self.max_new_tokens)}", param="max_new_tokens")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_tokens must be an integer in 0..max_new_tokens ({show(self.max_new_tokens)}), "
+                              f"got {show(self.min_tokens)}", param="min_tokens")
         if not _is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"seed must be an integer >= 0, got {show(self.seed)}", param="seed")
         if self.draft_len != "auto" and (not _is_int(self.draft_len) or self.draft_len < 0):

@@ -209,12 +209,12 @@ def test_an_error_in_a_callback_propagates_and_frees_the_pair(qwen_pair):
 
 
 def test_an_error_while_streaming_reaches_the_consumer(qwen_pair, monkeypatch):
-    import specrt.api.pair as pair_mod
+    import specrt.api.runner as runner_mod
 
     def boom(*a, **kw):
         raise RuntimeError("engine fell over")
 
-    monkeypatch.setattr(pair_mod, "Decoder", boom)
+    monkeypatch.setattr(runner_mod, "Decoder", boom)
     with pytest.raises(RuntimeError, match="engine fell over"):
         list(qwen_pair.stream(PROMPT, max_new_tokens=4))
     monkeypatch.undo()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -151,57 +151,32 @@ class Pair:
             self.state.costs = CostModel(draft_s=c.get("draft_s"), target_s={int(w): s for w, s in c.get("target_s", {}).items()},
                                          draft_read_s=c.get("draft_read_s"))
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
-                 drafter: str | None = None, on_text: Callable[[str], None] | None = None, cancel=None,
-                 draft_window: int | None = None, confidence_stop: float | None = None,
-                 ngram_max: int | None = None, sampling: str | None = None, json_schema=None, regex: str | None = None,
-                 grammar=None, response_format: dict | None = None) -> Result:
+    def generate(self, prompt: str | list[int], settings: Mapping | None = None, *, chat: bool = False,
+                 on_text: Callable[[str], None] | None = None, cancel=None, **fields) -> Result:
         """Generate a continuation of `prompt` (text, or a list of token ids).
 
-        A setting left None takes its default (config.GenerationConfig, config.SamplingConfig): 128 new
-        tokens, greedy, seed 0. temperature 0 is greedy; draft_len 0 is plain target-only decoding through
-        the same engine, "auto" picks each round's length from measured acceptance and costs; default: what
-        `specrt tune` chose for this pair, else "auto".
-        `drafter`: "model" (the pair's draft model), "ngram" (prompt lookup, no draft model needed),
-        "suffix" (prompt lookup and earlier outputs) or "hybrid" (the policy chooses between a lookup and
-        the model each round); default: what `specrt tune` chose, else "hybrid" if the pair has a draft
-        model, else "ngram".
+        The request's settings are `settings` (a mapping of them, e.g. a JSON record's) with `fields` given
+        as keywords over it, by the names of api/requests.TABLE (`help(specrt.api.requests)` lists them
+        all): max_new_tokens (128), min_tokens (0: no end of text before that many), temperature (0: greedy),
+        top_k, top_p, seed (0), stop (a string or a list), draft_len (0: the target alone; "auto": each
+        round's length from measured acceptance and costs; default: what `specrt tune` chose, else auto),
+        drafter ("model", "ngram", "suffix" or "hybrid"; default: tuned, else hybrid with a draft model,
+        else ngram), draft_window, confidence_stop, ngram_max, sampling ("coupled", the default with a
+        seed: the seed gives the target-only sample whatever drafts it; "rejection" without), and at most
+        one constraint: json_schema, regex, grammar (Lark) or response_format (OpenAI's object), which the
+        output then matches, sampled or greedy exactly as the target alone would under it
+        (`result.stats["grammar_complete"]`: whether it ended as a complete match). A setting left None
+        takes its default; an unknown name raises ConfigError.
         `chat=True` wraps a text prompt in the tokenizer's chat template as a user message.
-        `stop`: a string or a list of strings; the text ends before the first one that appears.
         `on_text` receives the text as it is produced (stop strings never reach it), in this thread.
         `cancel`: a threading.Event, or a callable returning True, checked once per round (one target
         pass); when it fires, generation ends with finish_reason "cancelled" and the tokens so far.
-        `draft_window`: the most tokens the draft model reads in one catch-up pass (the prompt, what
-        n-gram rounds emitted); further behind, it reads only the last ones (0: no limit). Default:
-        32 on the CPU, no limit on a GPU, alone and as a batch row (decoding.proposers.default_window).
-        `confidence_stop`: a model draft stops early once its top probability falls below this.
-        `ngram_max`: the longest suffix prompt lookup matches (1..16).
-        `sampling`: how a sampled request verifies drafts: "coupled" (the default when `seed` is given: the
-        seed gives the target-only sample token for token, whatever drafts it: drafter, draft length, auto's
-        choices, a batch) or "rejection" (the default without a seed: higher acceptance at high temperatures;
-        a seed reproduces for the same drafts).
-        Structured output (at most one; docs/drafting.md): `json_schema` (a dict or JSON text), `regex`,
-        `grammar` (a Lark grammar, or a config.Grammar), or `response_format` (OpenAI's object): the output
-        matches it, sampled or greedy exactly as the target alone would under the same constraint.
-        `result.stats["grammar_complete"]` says whether it ended as a complete match (False: max_new_tokens
-        came first).
         """
-        cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
-                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling,
-                                 json_schema=json_schema, regex=regex, grammar=grammar, response_format=response_format))
-        return self.run(self.encode(prompt, chat), cfg, on_text, cancel)
+        return self.run(self.encode(prompt, chat), self.settings({**(settings or {}), **fields}), on_text, cancel)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int | None = None, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               draft_len: int | str | None = None, stop: str | list[str] | None = None, chat: bool = False,
-               drafter: str | None = None, cancel=None, draft_window: int | None = None,
-               confidence_stop: float | None = None, ngram_max: int | None = None,
-               sampling: str | None = None, json_schema=None, regex: str | None = None, grammar=None,
-               response_format: dict | None = None) -> Stream:
-        """Like `generate`, but return an iterator of text chunks as they are produced.
+    def stream(self, prompt: str | list[int], settings: Mapping | None = None, *, chat: bool = False, cancel=None,
+               **fields) -> Stream:
+        """Like `generate` (the same settings), but return an iterator of text chunks as they are produced.
 
             with pair.stream("def fib(n):", max_new_tokens=64) as s:
                 for chunk in s:
@@ -214,10 +189,7 @@ class Pair:
         generation at its next round and waits for it; `result` then has finish_reason "cancelled".
         The Pair is busy until the stream is exhausted or closed.
         """
-        cfg = self.settings(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 seed=seed, draft_len=draft_len, stop=stop, drafter=drafter, draft_window=draft_window,
-                                 confidence_stop=confidence_stop, ngram_max=ngram_max, sampling=sampling,
-                                 json_schema=json_schema, regex=regex, grammar=grammar, response_format=response_format))
+        cfg = self.settings({**(settings or {}), **fields})
         ids = self.encode(prompt, chat)
         fn = _cancel_fn(cancel)
         self._check_open()
@@ -242,9 +214,10 @@ class Pair:
         return requests.resolve(self.manifest, self.tuned, self.draft is not None, batched=batched, prompt=prompt, **kw)
 
     def settings(self, fields: dict, batched: bool = False, prompt: list[int] | None = None) -> GenerationConfig:
-        """A request's GenerationConfig from its raw settings by name (api/requests.FIELDS, e.g. a JSON
-        record's; None or absent: the default), each checked (api/requests.parse), then `config`."""
-        return self.config(batched=batched, prompt=prompt, **requests.parse(fields))
+        """A request's GenerationConfig from its raw settings by name (api/requests.TABLE, e.g. a JSON
+        record's; None or absent: the default; another name: ConfigError), each checked
+        (api/requests.parse), then `config`."""
+        return self.config(batched=batched, prompt=prompt, **requests.parse(fields, strict=True))
 
     def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False, grammar: bool = True) -> None:
         """Raise ConfigError for a request this pair cannot run (api/requests.check; `grammar`: its constraint
@@ -450,13 +423,8 @@ class Stream:
         return "".join(self)
 
 
-def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int | None = None,
-                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                   seed: int | list[int] | None = None, draft_len: int | None = None, stop: str | list[str] | None = None,
-                   chat: bool = False, drafter: str | None = None, confidence_stop: float | None = None,
-                   draft_window: int | None = None, ngram_max: int | None = None, sampling: str | None = None,
-                   totals: dict | None = None, json_schema=None, regex: str | None = None, grammar=None,
-                   response_format: dict | None = None) -> list:
+def generate_batch(pair, prompts: list, batch_size: int = 4, settings: Mapping | None = None, *, chat: bool = False,
+                   totals: dict | None = None, **fields) -> list:
     """`pair.generate` for many prompts at once; returns one Result per prompt, in order.
 
     Settings as `pair.generate`'s, but for `draft_len`: a batch's rows draft a fixed length (default: what
@@ -464,13 +432,11 @@ def generate_batch(pair, prompts: list, batch_size: int = 4, max_new_tokens: int
     then gets what `pair.generate(prompt, seed=seed)` gets) or a list with one per prompt. `totals`, if
     given, receives the batch totals (decoding.decode.Totals.as_dict).
     """
+    fields = {**(settings or {}), **fields}
+    seed = fields.pop("seed", None)
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ConfigError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                  draft_len=draft_len, stop=stop, drafter=drafter, confidence_stop=confidence_stop,
-                  draft_window=draft_window, ngram_max=ngram_max, sampling=sampling, json_schema=json_schema,
-                  regex=regex, grammar=grammar, response_format=response_format)
     reqs = []
     with pair.runner(batch_size) as dec:
         for i, (p, s) in enumerate(zip(prompts, seeds)):

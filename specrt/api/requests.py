@@ -23,7 +23,7 @@ import json
 import numbers
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from specrt.api.text import JSONText
 from specrt.config import GenerationConfig, Grammar, SamplingConfig, needs_draft_model
@@ -109,16 +109,62 @@ class RequestError(ConfigError):
     """A request's field is missing or of the wrong kind; `param` names it (an HTTP 400)."""
 
 
-# The settings every front end takes by these names (Python keywords, a JSONL record, an OpenAI body's
-# specrt fields, CLI flags), each with what its value must be. None anywhere means "unset": the default.
-_KINDS = {"max_new_tokens": "int", "temperature": "num", "top_k": "int", "top_p": "num", "seed": "int",
-          "stop": "stops", "draft_len": "draft_len", "drafter": "str", "draft_window": "int",
-          "confidence_stop": "num", "ngram_max": "int", "sampling": "str",
-          # structured output (at most one): a JSON schema, a regular expression, a Lark grammar, or OpenAI's
-          # response_format object
-          "json_schema": "schema", "regex": "str", "grammar": "grammar", "response_format": "response_format"}
-FIELDS = tuple(_KINDS)
+ALL = ("server", "cli", "job", "record")
+
+
+@dataclass(frozen=True)
+class Field:
+    """A request setting: `kind`, what its value must be (checked by `parse`); `fronts`, the front ends besides
+    the Python API (which takes every one) that expose it: "server" (an OpenAI body's specrt fields), "cli"
+    (`specrt generate`'s options), "job" (`specrt batch`'s job-wide options), "record" (a job record's own);
+    `help`, what it does, for those front ends' help."""
+
+    kind: str
+    help: str
+    fronts: tuple[str, ...] = ALL
+
+
+# The one table of request settings: every front end takes these names (Python keywords, a JSONL record, an
+# OpenAI body's fields, CLI flags) where it declares them. None anywhere means "unset": the default.
+TABLE = {
+    "max_new_tokens": Field("int", "Most new tokens (default 128; the server: max_tokens).", ("cli", "job", "record")),
+    "min_tokens": Field("int", "No end of text before this many new tokens (default 0); a stop string still ends it."),
+    "temperature": Field("num", "0 = greedy (the default; the server's is 1)."),
+    "top_k": Field("int", "Keep the k most likely tokens (0 = off, the default)."),
+    "top_p": Field("num", "Nucleus mass to keep (1.0 = off, the default)."),
+    "seed": Field("int", "Random seed for sampling (0 when not given; the server: a random one). A seeded sampled "
+                         "request samples coupled by default: the target-only sample of that seed, whatever drafts it."),
+    "stop": Field("stops", "Stop string(s); the text ends before the first one that appears.", ("server", "cli", "record")),
+    "draft_len": Field("draft_len", "Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured "
+                                    "acceptance and costs). Default: what `specrt tune` chose for this pair, else auto.",
+                       ("server", "cli", "job")),
+    "drafter": Field("str", "model: the pair's draft model; ngram: prompt lookup; suffix: prompt lookup over the request "
+                            "and earlier outputs; hybrid: each round the policy chooses (default with a draft model). "
+                            "Default: what `specrt tune` chose, if anything.", ("server", "cli", "job")),
+    "draft_window": Field("int", "The most tokens the draft model reads in one catch-up; further behind, only the last "
+                                 "ones (0 = no limit; default: 32 on the CPU, none on a GPU).", ("server", "cli")),
+    "confidence_stop": Field("num", "Stop a model draft once its top probability falls below this (0 = never; "
+                                    "default: tuned or 0).", ("server", "cli", "job")),
+    "ngram_max": Field("int", "Longest suffix (1..16 tokens) prompt lookup matches (default 16).", ("server", "cli")),
+    "sampling": Field("str", "How a sampled request verifies drafts: coupled (the default with a seed: the seed gives "
+                             "the target-only sample, whatever drafts it) or rejection (the default without)."),
+    # structured output (at most one): a JSON schema, a regular expression, a Lark grammar, or OpenAI's
+    # response_format object (the CLIs read schemas and grammars from files: cli/common.constraint_options)
+    "json_schema": Field("schema", "The output matches this JSON schema."),
+    "regex": Field("str", "The output matches this regular expression."),
+    "grammar": Field("grammar", "The output matches this Lark grammar."),
+    "response_format": Field("response_format", "OpenAI's response_format object.", ("server", "record")),
+}
+_KINDS = {name: f.kind for name, f in TABLE.items()}
+FIELDS = tuple(TABLE)
 CONSTRAINTS = ("json_schema", "regex", "grammar", "response_format")
+
+
+def fields_of(front: str) -> tuple[str, ...]:
+    """The settings a front end exposes ("api": all of them)."""
+    return FIELDS if front == "api" else tuple(n for n, f in TABLE.items() if front in f.fronts)
+
+
 _WHAT = {"int": "an integer", "num": "a number", "str": "a string", "stops": "a string or a list of strings",
          "grammar": "a string (a Lark grammar)",
          "draft_len": "an integer or 'auto'"}
@@ -163,9 +209,12 @@ def _value(name: str, v):
     return v
 
 
-def parse(fields: Mapping) -> dict:
-    """The request settings among `fields` (any of FIELDS; other keys are the caller's), each checked for
-    its kind: keyword arguments for `resolve` (unset ones left out). Ranges are GenerationConfig's checks."""
+def parse(fields: Mapping, strict: bool = False) -> dict:
+    """The request settings among `fields` (any of FIELDS; other keys are the caller's, or with `strict` an
+    error), each checked for its kind: keyword arguments for `resolve` (unset ones left out). Ranges are
+    GenerationConfig's checks."""
+    if strict and (unknown := [k for k in fields if k not in TABLE]):
+        raise RequestError(f"unknown setting {unknown[0]!r}; the settings are: {', '.join(FIELDS)}", param=unknown[0])
     out = {name: _value(name, fields[name]) for name in FIELDS if fields.get(name) is not None}
     given = [name for name in CONSTRAINTS if name in out]
     if len(given) > 1:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from specrt.api import requests
+from specrt.config import DRAFTERS, SAMPLERS
 from specrt.errors import SpecrtError
 
 
@@ -116,6 +118,39 @@ def batch_size_list(ctx, param, value):
 def log(s: str) -> None:
     """Progress lines of the library (export, engine builds) go to stderr."""
     click.echo(s, err=True)
+
+
+_CLICK_TYPES = {"int": int, "num": float, "str": str}
+_CHOICES = {"drafter": DRAFTERS, "sampling": SAMPLERS}
+
+
+def setting_options(front: str):
+    """The request settings `front` ("cli", "job") exposes (api/requests.TABLE) as options, each None unless
+    given (the default then is the request's: api/requests.resolve); the command receives them by their
+    names. Constraints are constraint_options' (files)."""
+    def decorate(fn):
+        for name in reversed(requests.fields_of(front)):
+            f = requests.TABLE[name]
+            if name in requests.CONSTRAINTS:
+                continue
+            kw = dict(default=None, help=f.help)
+            if f.kind == "stops":
+                kw.update(multiple=True, default=())
+            elif f.kind == "draft_len":
+                kw.update(callback=draft_len_value)
+            elif name in _CHOICES:
+                kw.update(type=click.Choice(_CHOICES[name]))
+            else:
+                kw.update(type=_CLICK_TYPES[f.kind])
+            fn = click.option(f"--{name.replace('_', '-')}", name, **kw)(fn)
+        return fn
+    return decorate
+
+
+def settings_given(values: dict, front: str) -> dict:
+    """The settings among a command's option values (setting_options), unset ones left out."""
+    return {n: (list(v) if isinstance(v, tuple) else v) for n in requests.fields_of(front)
+            if (v := values.get(n)) is not None and v != ()}
 
 
 def constraint_options(fn):

@@ -139,3 +139,81 @@ class Constraint:
             if not self.error and not self.m.consume_token(int(t)):
                 self.error = f"the grammar cannot go on: {first_line(self.m.get_error())}"
         self.d, self.path, self.masks = None, [], {}
+
+    def end(self) -> tuple[str, str]:
+        """Whether the committed output ends the request: ("eos", "") where the grammar is complete and allows
+        only EOS (which the target would pick), ("length", why) where it allows no token; ("", "") goes on."""
+        if self.stopped:
+            return "eos", ""
+        if not self.allowed(()).any():
+            return "length", self.error or "the grammar allows no token here (one the tokenizer cannot spell?)"
+        return "", ""
+
+
+class Free:
+    """A request without a grammar: allows every token; the round asks it what it asks a Constraint."""
+
+    def allowed(self, drafted: Sequence[int] = ()) -> None:  # None: nothing masked
+        return None
+
+    def cut(self, tokens: Sequence[int]) -> int:
+        return len(tokens)
+
+    def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
+        return logits
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def end(self) -> tuple[str, str]:
+        return "", ""
+
+
+FREE = Free()
+
+
+class MinTokens:
+    """No end of text before the `n`-th output token (a request's `min_tokens`), around another constraint
+    (`inner`: a grammar's, or FREE). The end tokens are masked at every position before it, in the target's
+    logits and the draft's alike, and a proposal is cut at an end token there, so speculation compares the same
+    masked distributions and the output is what the target alone gives under the same rule."""
+
+    def __init__(self, inner: Constraint | Free, n: int, eos_ids: frozenset[int], vocab: int):
+        self.inner, self.n, self.vocab = inner, n, vocab
+        self.eos = np.array(sorted(t for t in eos_ids if t < vocab), np.int64)
+        self.out = 0  # tokens output so far
+
+    def _open(self, i: int) -> bool:
+        """Whether an end token may come as the output's token number out + i."""
+        return self.out + i >= self.n
+
+    def allowed(self, drafted: Sequence[int] = ()) -> np.ndarray | None:
+        a = self.inner.allowed(drafted)
+        if self._open(len(drafted)):
+            return a
+        a = np.ones(self.vocab, bool) if a is None else a.copy()
+        a[self.eos] = False
+        return a
+
+    def cut(self, tokens: Sequence[int]) -> int:
+        n = self.inner.cut(tokens)
+        ends = set(self.eos.tolist())
+        return next((i for i in range(n) if not self._open(i) and int(tokens[i]) in ends), n)
+
+    def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
+        out = self.inner.mask(logits, drafted)
+        shut = [i for i in range(len(out)) if not self._open(i)]
+        if shut:
+            out = out.copy() if out is logits else out
+            out[np.ix_(shut, self.eos)] = -np.inf
+        return out
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        self.inner.commit(tokens)
+        self.out += len(tokens)
+
+    def end(self) -> tuple[str, str]:
+        reason, why = self.inner.end()
+        if reason == "eos" and not self._open(0):
+            return "length", f"the grammar is complete before min_tokens ({self.n}) tokens: nothing may follow"
+        return reason, why

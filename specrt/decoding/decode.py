@@ -20,7 +20,7 @@ import numpy as np
 
 from specrt.config import GenerationConfig, Grammar
 from specrt.decoding import sampling
-from specrt.decoding.constraint import Constraint
+from specrt.decoding.constraint import FREE, Constraint, Free, MinTokens
 from specrt.decoding.policy import Batch, Policy, Round
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING, History, Proposal
@@ -224,7 +224,8 @@ class _Row:
     stats: Stats
     rng: np.random.Generator | sampling.Coupled  # its randomness (sampling.source)
     seq: list[int]
-    constraint: Constraint | None = None  # its grammar's state (structured output)
+    constraint: Constraint | Free | MinTokens = FREE  # what its output must follow: grammar, min_tokens, or nothing
+    grammar: Constraint | None = None  # its grammar's state (structured output)
     start: float = field(default_factory=time.perf_counter)
     out: list[int] = field(default_factory=list)
     reason: str = ""
@@ -326,13 +327,13 @@ class Decoder:
             batch = Batch(self.B, widest, rate) if self.B > 1 and rate else None
             row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left, batch)
             widest = max(widest, row.k + 1)
-        # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position; under a grammar,
-        #    a proposal is cut at its first token the grammar forbids.
+        # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position; a proposal is cut
+        #    at its first token the row's constraint forbids (its grammar, its min_tokens).
         t0 = time.perf_counter()
         drafts, steps = self._propose([(r, row) for r, row in active if row.k])
-        for r, row in active:
-            if row.constraint is not None and r in drafts:
-                drafts[r] = drafts[r].cut(row.constraint.cut(drafts[r].tokens))
+        going = dict(active)
+        for r in drafts:
+            drafts[r] = drafts[r].cut(going[r].constraint.cut(drafts[r].tokens))
         # 3. Verify every row's last token and drafts in one target pass.
         t1 = time.perf_counter()
         feeds = {r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}
@@ -345,9 +346,8 @@ class Decoder:
         for r, row in active:
             # 4. Accept a prefix of the row's drafts, and one more token from the target (under a grammar, from
             #    logits masked as the drafts' were).
-            draft, lg = drafts.get(r, NOTHING), logits[r][:, :self.vocab]  # [k'+1, V]
-            if row.constraint is not None:
-                lg = row.constraint.mask(lg, draft.tokens)
+            draft = drafts.get(r, NOTHING)
+            lg = row.constraint.mask(logits[r][:, :self.vocab], draft.tokens)  # [k'+1, V]
             n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, len(row.seq))
             new = [*draft.tokens[:n].tolist(), t]
             # 5. Commit: the verified slots stay; rejected ones go by moving the lengths back.
@@ -400,12 +400,15 @@ class Decoder:
         cfg = req.cfg
         self.check(req)
         cancelled = req.cancel is not None and req.cancel()  # while it waited: no grammar, no prompt read
-        constraint = self.constrain(cfg.grammar) if cfg.grammar is not None and not cancelled else None
-        policy = self.policy_for(r, cfg, constraint)
+        grammar = self.constrain(cfg.grammar) if cfg.grammar is not None and not cancelled else None
+        constraint = grammar or FREE
+        if cfg.min_tokens:
+            constraint = MinTokens(constraint, cfg.min_tokens, self.eos, self.vocab)
+        policy = self.policy_for(r, cfg, grammar)
         k = policy.max_k
         row = _Row(req=req, stream=self.text(cfg.stop), policy=policy,
                    rng=sampling.source(cfg.seed, cfg.sampling.method == "coupled"),
-                   seq=list(req.prompt), constraint=constraint, stats=Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k,
+                   seq=list(req.prompt), constraint=constraint, grammar=grammar, stats=Stats(draft_len=cfg.draft_len if k else 0, proposed_at=[0] * k,
                                                      accepted_at=[0] * k, prompt_tokens=len(req.prompt),
                                                      batch_size=self.B))
         self.totals.requests += 1
@@ -415,8 +418,7 @@ class Decoder:
         # The target reads the prompt (but what its row kept of an earlier one); the last position gives
         # the first token.
         logits, row.stats.prompt_cached = self.target.prefill(r, row.seq, self.share_prefix)
-        if constraint is not None:
-            logits = constraint.mask(logits[None, :self.vocab], ())[0]
+        logits = constraint.mask(logits[None, :self.vocab], ())[0]
         x = sampling.pick(logits[:self.vocab], cfg.sampling, row.rng, len(row.seq))
         row.read = True
         self.totals.prefills += 1
@@ -431,8 +433,10 @@ class Decoder:
         new, reason = emit(new, self.eos, row.cfg.max_new_tokens - len(row.out))
         row.out += new
         row.seq += new
-        if row.constraint is not None:
-            reason = self._follow(row, new, reason)
+        row.constraint.commit(new)
+        if not reason:
+            reason, why = row.constraint.end()
+            row.stats.grammar_error = why or row.stats.grammar_error
         if new:
             chunk = row.stream.feed(new)
             if chunk and row.req.on_text is not None:
@@ -443,21 +447,6 @@ class Decoder:
             row.reason = reason or "length"
         elif row.req.cancel is not None and row.req.cancel():
             row.reason = "cancelled"
-
-    @staticmethod
-    def _follow(row: _Row, new: list[int], reason: str) -> str:
-        """The grammar takes a round's output; the request ends where the grammar is complete ("eos": it
-        allows only EOS, which the target would pick) or allows no token ("length", said in the stats)."""
-        c = row.constraint
-        c.commit(new)
-        if reason:
-            return reason
-        if c.stopped:
-            return "eos"
-        if not c.allowed(()).any():
-            row.stats.grammar_error = c.error or "the grammar allows no token here (one the tokenizer cannot spell?)"
-            return "length"
-        return ""
 
     def _finish(self, r: int, row: _Row) -> _Row:
         """A request's end, the same for every row: free its rows, cut its output at the stop string, add
@@ -476,8 +465,8 @@ class Decoder:
             for name, value in row.policy.finish(len(row.out)).items():
                 setattr(st, name, value)
         st.new_tokens, st.wall_s = len(tokens), time.perf_counter() - row.start
-        if row.constraint is not None:
-            c = row.constraint
+        if row.grammar is not None:
+            c = row.grammar
             # a stop string cut the output short of what the grammar took: the text returned is what counts
             st.grammar_complete = c.matches(row.stream.text) if row.stream.stopped and row.cfg.stop else c.complete
             st.mask_ms = round(1e3 * c.mask_s, 3)
