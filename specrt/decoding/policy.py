@@ -8,8 +8,9 @@ acceptance a_i (the chance draft token i is accepted given 1..i-1 were), a round
 E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens and costs k * c_draft + c_target(k+1) (Leviathan et al.
 2023, with measured rather than modelled costs); it takes the k that maximises E(k) / cost(k), k = 0
 being plain decoding. One `Controller` per proposal kind holds the estimate ("model", the lookup's
-"ngram1".."ngram8" by matched length). With two proposers it offers the round to whichever is expected
-to emit more per second, counting what the draft model's catch-up will cost after lookup rounds.
+"ngram1".."ngram8" by matched length). With several proposers (hybrid: a lookup and the draft model) it
+offers the round to whichever is expected to emit more per second, counting what a paid proposer's catch-up
+will cost after rounds it sat out.
 When k = 0 wins it still probes now and then with one draft token (the wait doubling after each probe
 that does not restart drafting), so it resumes once drafting pays again; a plain round's target
 confidence also predicts what a model draft would have got there (`Calibration`), which moves the
@@ -398,7 +399,6 @@ class Auto(_Base):
     def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState | None = None,
                  config: PolicyConfig = PolicyConfig()):
         super().__init__(proposers, max_k, state or PolicyState(), config)
-        self.hybrid = self.lookup is not None and self.model is not None
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
@@ -430,31 +430,47 @@ class Auto(_Base):
         self._plan = (None, None, False, None)
         if limit <= 0:
             return None, 0
-        src, found = self.model, None
-        if self.lookup is not None:
-            found = self.lookup.find(seq, limit)
-            if len(found.tokens) or self.model is None:
-                src = self.lookup
-        auto = self.controller(found.kind if src is self.lookup else src.kind)
-        model_auto = self.controller(self.model.kind) if self.hybrid else None
-        if self.hybrid and src is self.lookup:
-            # Leaving a caught-up model for a lookup round costs it a catch-up pass when it drafts again
-            # (about a draft step); once it is behind, that pass is the model round's to pay.
-            behind = self.model.behind(seq)
-            switch_s = (model_auto.costs.draft_s or 0.0) if behind <= 2 else 0.0
-            catchup_s = model_auto.catchup_cost(behind) if behind > 2 else 0.0
-            rates = [auto.best(limit, switch_s, batch)[1], model_auto.best(limit, catchup_s, batch)[1]]
-            if None not in rates and rates[1] > rates[0]:
-                src, auto = self.model, model_auto
-        k = auto.choose(limit, src.behind(seq), left, batch) if auto else limit
-        if self.hybrid and src is self.lookup:
-            if k == 0:  # the lookup proposal does not pay: maybe the model's
-                src, auto = self.model, model_auto
+        # 1. The offers, in order: each free proposer's proposal where it found one, then each paid proposer.
+        offers, found = [], None
+        for p in self.proposers:
+            if not p.free:
+                offers.append((p, self.controller(p.kind)))
+                continue
+            f = p.find(seq, limit)
+            found = found or f  # the first lookup's, scored in full after the round (observe)
+            if len(f.tokens) and (a := self.controller(f.kind)) is not None:
+                offers.append((p, a))
+        if not offers:  # a lookup alone that found nothing: a round without drafts
+            self._plan = (self.lookup, None, True, found)
+            return self.lookup, limit
+        # 2. The first offer, unless every offer's rate is known and a later one's is higher.
+        src, auto = offers[0]
+        if len(offers) > 1:
+            rates = [a.best(limit, self._extra_s(p, seq), batch)[1] for p, a in offers]
+            if None not in rates:
+                src, auto = offers[max(range(len(offers)), key=lambda i: (rates[i], -i))]
+        k = auto.choose(limit, src.behind(seq), left, batch)
+        # 3. A lookup proposal that does not pay leaves the round to the first paid proposer; one that drafts
+        #    counts, for every paid proposer, to its next probe.
+        paid = [(p, a) for p, a in offers if not p.free]
+        if src.free and paid:
+            if k == 0:
+                src, auto = paid[0]
                 k = auto.choose(limit, src.behind(seq), left, batch)
-            else:  # a round without the model counts to its next probe
-                model_auto.wait()
+            else:
+                for _, a in paid:
+                    a.wait()
         self._plan = (src, auto, True, found)
         return src, k
+
+    def _extra_s(self, p: Proposer, seq: list[int]) -> float:
+        """What a round by `p` costs besides its passes: for a paid proposer that is behind, its catch-up pass;
+        for a free one, leaving each caught-up paid proposer costs it a catch-up pass when it drafts again
+        (about a draft step; once it is behind, that pass is its own round's to pay)."""
+        if not p.free:
+            behind = p.behind(seq)
+            return self.controller(p.kind).catchup_cost(behind) if behind > 2 else 0.0
+        return sum((self.costs.draft_s or 0.0) for q in self.proposers if not q.free and q.behind(seq) <= 2)
 
     def observe(self, r: Round) -> None:
         super().observe(r)
