@@ -27,8 +27,8 @@ run python bench/peers/llamacpp_peer.py --pld 2,10 --repeats 3 --limit $LIMIT --
 # all prompt classes (code, edit, chat) for specrt's drafters
 run specrt bench $INT4 --prompts $P --draft-lens 0,2,3,auto --drafters model,ngram,hybrid --repeats 2 \
     --max-new-tokens 128 --json $OUT/specrt_int4_classes.json
-# the break-even guard: the same pair with a draft that is always wrong (bench/make_mismatched.py)
-python bench/make_mismatched.py $INT4 pairs/mismatched-int4
+# the break-even guard: the same pair with a draft that is always wrong (bench/policy/make_mismatched.py)
+python bench/policy/make_mismatched.py $INT4 pairs/mismatched-int4
 run specrt bench pairs/mismatched-int4 --prompts $P --draft-lens 0,2,auto --drafters model,hybrid --repeats 2 \
     --max-new-tokens 128 --json $OUT/specrt_int4_mismatched.json
 # batched decoding: aggregate tokens/s per batch size (32 short requests)

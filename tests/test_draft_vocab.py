@@ -173,7 +173,7 @@ def test_empty_calibration_text_is_refused(hf_tiny, tmp_path):
 
 
 def test_mismatched_draft_script_and_guard(vocab_dir, vocab_pair, tmp_path):
-    """bench/make_mismatched.py (the guard's benchmark pair) shifts every draft row to the wrong id:
+    """bench/policy/make_mismatched.py (the guard's benchmark pair) shifts every draft row to the wrong id:
     the copy loads (hashes updated), output is unchanged, acceptance collapses, and auto stops drafting."""
     import subprocess
     import sys
@@ -181,7 +181,7 @@ def test_mismatched_draft_script_and_guard(vocab_dir, vocab_pair, tmp_path):
 
     import specrt
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "make_mismatched.py"
+    script = Path(__file__).resolve().parents[1] / "bench" / "policy" / "make_mismatched.py"
     dst = tmp_path / "mis"
     r = subprocess.run([sys.executable, str(script), str(vocab_dir), str(dst)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -463,6 +463,7 @@ def test_the_build_without_a_compiler_installs_and_says_why(tmp_path):
 # ---------------------------------------------------------------- other compilers, other machines
 
 KERNELS = ROOT / "specrt" / "engines" / "kernels"
+BENCH_KERNELS = ROOT / "bench" / "kernels"
 SOURCES = runpy.run_path(str(KERNELS / "sources.py"))
 CXX, CLANG = shutil.which("g++"), shutil.which("clang++")
 ARM_CXX, QEMU = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
@@ -490,9 +491,9 @@ def build_program(cxx: list[str], machine: str, main: Path, out: Path, link: lis
 
 @pytest.mark.skipif(not (CXX and X86), reason="needs g++ on x86-64")
 def test_the_ceiling_tool_builds(tmp_path):
-    """bench/ceiling.cc (docs/kernel.md's AVX2 ceiling) still builds against the kernel's sources as its
+    """bench/kernels/ceiling.cc (docs/kernel.md's AVX2 ceiling) still builds against the kernel's sources as its
     header says; running it only times this machine, so it is not run here."""
-    assert build_program([CXX], "x86_64", ROOT / "bench" / "ceiling.cc", tmp_path).exists()
+    assert build_program([CXX], "x86_64", BENCH_KERNELS / "ceiling.cc", tmp_path).exists()
 
 
 ARM_COMPILERS = [pytest.param(["aarch64-linux-gnu-g++"], id="gcc"),
@@ -736,7 +737,7 @@ def test_a_token_verified_in_a_wide_pass_has_its_logits_alone(request, which):
                         np.testing.assert_allclose(wide[i], alone[i], atol=1e-4)
 
 
-# ---------------------------------------------------------------- the roofline tools (bench/roofline.py, profile.py)
+# -------------------------------------------------------- the roofline tools (bench/kernels/roofline.py, profile.py)
 
 
 @built
@@ -744,7 +745,7 @@ def test_a_token_verified_in_a_wide_pass_has_its_logits_alone(request, which):
 def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
     """They run on a pair (figures are this machine's; only their presence and consistency are checked)."""
     out = tmp_path / "roof.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "roofline.py"), str(int4_default_dir), "--rows", "1,3",
+    r = subprocess.run([sys.executable, str(BENCH_KERNELS / "roofline.py"), str(int4_default_dir), "--rows", "1,3",
                         "--repeats", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -755,7 +756,7 @@ def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
             assert c["ms"] > 0 and c["stream_ms"] == pytest.approx(s["bytes"] / d["bandwidth_gbs"] / 1e6)
             assert c["fraction"] == pytest.approx(max(c["stream_ms"], c["arith_ms"]) / c["ms"])
     out = tmp_path / "prof.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile.py"), str(int4_default_dir), "--widths", "1,3",
+    r = subprocess.run([sys.executable, str(BENCH_KERNELS / "profile.py"), str(int4_default_dir), "--widths", "1,3",
                         "--past", "8", "--repeats", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -768,7 +769,7 @@ def test_the_roofline_tools_measure_and_report(tmp_path, int4_default_dir):
         assert roof["pass_ms"] == pytest.approx(roof["matmuls_ms"] + roof["rest_ms"])
         # the matmuls by shape are the same nodes as the layers' and the head's
         assert sum(v[w]["ms"] for v in d["by_shape"].values()) == pytest.approx(ms["layer matmuls"] + ms["head matmuls"])
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile.py"), str(int4_default_dir), "--model", "draft",
+    r = subprocess.run([sys.executable, str(BENCH_KERNELS / "profile.py"), str(int4_default_dir), "--model", "draft",
                         "--widths", "1,3", "--past", "8", "--repeats", "2", "--json", str(out)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -786,11 +787,11 @@ def _plain_library(tmp_path: Path) -> Path:
     return lib
 
 
-@pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_flags(), reason="bench/stream_ab.cc reads with AVX-512")
+@pytest.mark.skipif(not {"avx512f", "avx512bw"} <= cpu_flags(), reason="bench/kernels/stream_ab.cc reads with AVX-512")
 def test_the_stream_tool_runs_the_kernel_beside_a_read(tmp_path):
     cxx, lib = os.environ.get("CXX", "g++"), _plain_library(tmp_path)
     exe = tmp_path / "stream_ab"
-    r = subprocess.run([cxx, "-std=c++17", "-O2", "-mavx512f", f"-I{KERNELS}", str(ROOT / "bench" / "stream_ab.cc"),
+    r = subprocess.run([cxx, "-std=c++17", "-O2", "-mavx512f", f"-I{KERNELS}", str(BENCH_KERNELS / "stream_ab.cc"),
                         "-ldl", "-pthread", "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([str(exe), str(lib), "256", "64", "2"], capture_output=True, text=True, timeout=300)
@@ -800,11 +801,11 @@ def test_the_stream_tool_runs_the_kernel_beside_a_read(tmp_path):
 
 
 def test_the_kernel_ab_tool_compares_two_builds(tmp_path):
-    """bench/kernel_ab.cc: a library against itself runs at one speed within the noise and gives the same
+    """bench/kernels/kernel_ab.cc: a library against itself runs at one speed within the noise and gives the same
     bits; bad arguments get a usage line and exit 2."""
     cxx, lib = os.environ.get("CXX", "g++"), _plain_library(tmp_path)
     exe = tmp_path / "kernel_ab"
-    r = subprocess.run([cxx, "-std=c++17", "-O2", str(ROOT / "bench" / "kernel_ab.cc"), "-ldl", "-pthread", "-o", str(exe)],
+    r = subprocess.run([cxx, "-std=c++17", "-O2", str(BENCH_KERNELS / "kernel_ab.cc"), "-ldl", "-pthread", "-o", str(exe)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     r = subprocess.run([str(exe), str(lib), str(lib), "256", "64", "1", "1", "5"], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""bench/oracle.py: the bound on what a draft-length policy could make of the drafters (docs/drafting.md)."""
+"""bench/policy/oracle.py: the bound on what a draft-length policy could make of the drafters (docs/drafting.md)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("oracle", ROOT / "bench" / "oracle.py")
+spec = importlib.util.spec_from_file_location("oracle", ROOT / "bench" / "policy" / "oracle.py")
 oracle = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(oracle)
 
@@ -48,7 +48,7 @@ def test_the_bound_runs_on_a_pair(tmp_path, int4_default_dir):
     prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "class": c, "prompt": t}) for i, (c, t) in enumerate(
         [("code", "def add(a, b):"), ("chat", "Say hello twice."), ("code", "def add(a, b):")])) + "\n")
     out = tmp_path / "o.json"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "oracle.py"), str(int4_default_dir), "--prompts",
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "policy" / "oracle.py"), str(int4_default_dir), "--prompts",
                         str(prompts), "--max-new-tokens", "24", "--past", "16", "--repeats", "2", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

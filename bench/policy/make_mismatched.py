@@ -2,7 +2,7 @@
 restricted draft vocabulary is shifted by one id, so each draft row stands for the wrong token and the
 draft almost never agrees with the target. `auto` must then fall back to plain decoding.
 
-    python bench/make_mismatched.py pairs/qwen2.5-coder-0.5b-1.5b-int4 pairs/mismatched-int4
+    python bench/policy/make_mismatched.py pairs/qwen2.5-coder-0.5b-1.5b-int4 pairs/mismatched-int4
 (the source pair must have been exported with --draft-vocab)
 """
 import json

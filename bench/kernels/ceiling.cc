@@ -4,7 +4,7 @@
 // kernel itself on one thread over weights that stay in the L2 cache (no memory stalls), and prints the
 // kernel's products per second against the ceiling.
 //
-//   g++ -std=c++17 -O3 -ffp-contract=off -Ispecrt/engines/kernels bench/ceiling.cc \
+//   g++ -std=c++17 -O3 -ffp-contract=off -Ispecrt/engines/kernels bench/kernels/ceiling.cc \
 //       specrt/engines/kernels/{int4,int4_x86,int4_arm_dot,int4_arm_i8mm,int4_none,attention}.cc -o /tmp/ceiling && /tmp/ceiling
 #include <chrono>
 #include <cstdio>

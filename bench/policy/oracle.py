@@ -22,7 +22,7 @@ the text gets; the same costs, and the two-token draft pass after a round that a
 Prints, per prompt class and over all, tokens per second of target-only and of the oracle on those costs
 (the prompts' passes, timed or priced, on both sides) and their ratio, and the fixed-k columns.
 
-    python bench/oracle.py PAIR_DIR --prompts bench/prompts/prompts.jsonl --prompts bench/prompts/more.jsonl \
+    python bench/policy/oracle.py PAIR_DIR --prompts bench/prompts/prompts.jsonl --prompts bench/prompts/more.jsonl \
         --prompts bench/prompts/edits.jsonl [--max-new-tokens 128] [--past 300] [--repeats 15] [--table FILE] [--json OUT]
 
 `--table FILE` prices the rounds with a table `bench/ab.py --table FILE` measured (its target column times a
@@ -148,7 +148,7 @@ def main() -> None:
     prompts = read_prompts(args.prompts, pair)
     cfg = pair.config(max_new_tokens=args.max_new_tokens, draft_len=0, sampling=SamplingConfig(temperature=0.0))
     if args.table:  # bench/ab.py's prices: by its widths, interpolated
-        sys.path.insert(0, str(Path(__file__).parent))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for ab.py
         from ab import Meter
 
         table = json.loads(args.table.read_text())

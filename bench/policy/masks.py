@@ -1,6 +1,6 @@
 """What a constraint's token masks cost, against the target pass they sit beside.
 
-    python bench/masks.py PAIR_DIR [--prompts bench/prompts/structured.jsonl] [--max-new-tokens 128]
+    python bench/policy/masks.py PAIR_DIR [--prompts bench/prompts/structured.jsonl] [--max-new-tokens 128]
 
 For each structured-output record (bench/ab.py --structured) it generates the constrained target-only
 output, then replays that output through a fresh constraint (decoding/constraint.py), timing at every
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for ab.py
 from ab import structured_prompts  # noqa: E402
 
 import specrt  # noqa: E402

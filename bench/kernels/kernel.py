@@ -4,7 +4,7 @@ weight shapes of the Qwen2.5-Coder 1.5B target and 0.5B draft, for several row c
 Each shape is one graph with random 4-bit weights (block 128, zero points, accuracy level 4); both sessions
 use the same thread count; widths and kernels are interleaved within each repeat, medians reported.
 
-    python bench/kernel.py [--threads 2] [--repeats 15] [--rows 1,2,3,4,5,7,9,16,64] [--json OUT]
+    python bench/kernels/kernel.py [--threads 2] [--repeats 15] [--rows 1,2,3,4,5,7,9,16,64] [--json OUT]
 """
 from __future__ import annotations
 

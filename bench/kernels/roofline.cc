@@ -1,4 +1,4 @@
-// The two limits of a matmul pass on this host, for bench/roofline.py: the read bandwidth over a buffer of
+// The two limits of a matmul pass on this host, for bench/kernels/roofline.py: the read bandwidth over a buffer of
 // a given size with N threads, and the int8 product rate of the instructions a kernel path runs (each
 // thread a loop of independent dot instructions, no loads). Built by roofline.py with -march=native: it
 // measures the machine it is built on.

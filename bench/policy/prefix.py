@@ -1,6 +1,6 @@
 """What keeping the prompt prefix across requests buys a job, and that it changes no output.
 
-    python bench/prefix.py PAIR_DIR [--prompts FILE] [--limit N] [--max-new-tokens 128]
+    python bench/policy/prefix.py PAIR_DIR [--prompts FILE] [--limit N] [--max-new-tokens 128]
         [--settings 0:model,auto:suffix] [--json OUT]
 
 The prompts run in order, as a job runs them, under each setting (draft length:drafter) once per mode,

@@ -5,7 +5,7 @@
 // host's drift falls on both alike. Prints both rates (medians) and the median per-trial time ratio
 // kernel / read (1.0: the kernel streams at the read's rate). AVX-512 hosts only (the read uses zmm loads).
 //
-//   g++ -std=c++17 -O2 -mavx512f -Ispecrt/engines/kernels bench/stream_ab.cc -ldl -pthread -o /tmp/stream_ab
+//   g++ -std=c++17 -O2 -mavx512f -Ispecrt/engines/kernels bench/kernels/stream_ab.cc -ldl -pthread -o /tmp/stream_ab
 //   /tmp/stream_ab specrt/engines/_int4*.so K N COPIES        e.g. 1536 17920 6; 8960 1536 12; 896 9728 20
 #include <dlfcn.h>
 #include <algorithm>

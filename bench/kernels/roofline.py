@@ -2,7 +2,7 @@
 
 Measures, on the machine it runs on: the read bandwidth over a buffer the size of the target's packed weights
 (all --threads threads), and the int8 product rate of the instructions of the path `auto` picks (a loop of
-independent dot instructions per thread; bench/roofline.cc, built here with -march=native). Then, for every
+independent dot instructions per thread; bench/kernels/roofline.cc, built here with -march=native). Then, for every
 MatMulNBits shape of the pair's target and draft (or of Qwen2.5-Coder 1.5B / 0.5B without a pair) and each
 row count, times specrt's kernel through onnxruntime with weights that do not fit in the caches (one session
 running enough copies of the shape one after another; a call's time is the run's over the copies) and prints
@@ -10,7 +10,7 @@ it beside the roofline of that call:
     roofline = max(packed weight bytes / bandwidth, rows x K x N / peak)
 and the fraction roofline / measured (1.0: at the limit).
 
-    python bench/roofline.py [PAIR_DIR] [--threads 2] [--rows 1,2,3,5,9,16] [--repeats 15] [--json OUT]
+    python bench/kernels/roofline.py [PAIR_DIR] [--threads 2] [--rows 1,2,3,5,9,16] [--repeats 15] [--json OUT]
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def shapes_of(pair: Path | None) -> dict[str, dict[tuple[int, int, int], int]]:
 def build_helper(tmp: Path) -> Path:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
-        sys.exit("bench/roofline.py needs a C++ compiler (g++ or clang++) to build bench/roofline.cc")
+        sys.exit("bench/kernels/roofline.py needs a C++ compiler (g++ or clang++) to build bench/kernels/roofline.cc")
     exe = tmp / "roofline"
     subprocess.run([cxx, "-std=c++17", "-O3", "-march=native", "-pthread", str(HERE / "roofline.cc"), "-o", str(exe)],
                    check=True)
@@ -74,13 +74,13 @@ def build_helper(tmp: Path) -> Path:
 
 
 def helper(exe: Path, *args, runs: int = 5) -> float:
-    """The best of `runs` runs of bench/roofline.cc: a limit, which a busy neighbour on a shared host only
+    """The best of `runs` runs of bench/kernels/roofline.cc: a limit, which a busy neighbour on a shared host only
     ever lowers (one run in ten has read ~30% low here)."""
     best = 0.0
     for _ in range(runs):
         r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True)
         if r.returncode:
-            sys.exit(f"bench/roofline.cc {' '.join(map(str, args))}: {r.stderr.strip()}")
+            sys.exit(f"bench/kernels/roofline.cc {' '.join(map(str, args))}: {r.stderr.strip()}")
         best = max(best, float(r.stdout))
     return best
 

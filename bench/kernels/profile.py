@@ -6,11 +6,11 @@ profile, per width, medians over the repeats: the pass as onnxruntime timed it (
 of the layers, the output head (the widest matmuls), attention, every other op by type, and what is left of
 the pass outside any node (the executor, the thread pool waking, binding). The pass's roofline is the sum of
 its matmuls' rooflines, each max(packed bytes / bandwidth, width x K x N / peak) with this host's bandwidth
-and int8 peak (bench/roofline.cc, as bench/roofline.py measures them), plus the measured time of everything
+and int8 peak (bench/kernels/roofline.cc, as bench/kernels/roofline.py measures them), plus the measured time of everything
 that is not a matmul. Then each matmul shape's time inside the pass (all its nodes) against its roofline.
 `--model draft` profiles the draft model's pass instead.
 
-    python bench/profile.py PAIR_DIR [--model draft] [--past 300] [--widths 1,5,9] [--repeats 10] [--threads 2] [--json OUT]
+    python bench/kernels/profile.py PAIR_DIR [--model draft] [--past 300] [--widths 1,5,9] [--repeats 10] [--threads 2] [--json OUT]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import roofline  # noqa: E402  (bench/roofline.py: the host's limits)
+import roofline  # noqa: E402  (bench/kernels/roofline.py: the host's limits)
 
 MATMULS = ("Int4MatMul", "MatMulNBits")
 ATTENTION = ("Attention", "GroupQueryAttention")

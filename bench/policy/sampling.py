@@ -1,6 +1,6 @@
 """What sampling costs per position at a real vocabulary, beside the target pass it follows.
 
-    python bench/sampling.py PAIR_DIR [--repeats 200]
+    python bench/policy/sampling.py PAIR_DIR [--repeats 200]
 
 For each setting: warping the target's logits (temperature, top-k, top-p) at every position of a real
 text, then choosing the token by rejection (an inverse-CDF draw) or by coupling (sampling.Coupled.pick):

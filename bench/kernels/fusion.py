@@ -4,7 +4,7 @@ which; default all), in one process: the pair loaded twice, passes of each width
 (which goes first alternates), the median of the per-repeat time ratios (unfolded / folded: above 1,
 folding is faster) and each side's median.
 
-    python bench/fusion.py PAIR_DIR [--unfold bias,glu,norm] [--past 300] [--widths 1,3,5,9] [--repeats 20] [--threads 2]
+    python bench/kernels/fusion.py PAIR_DIR [--unfold bias,glu,norm] [--past 300] [--widths 1,3,5,9] [--repeats 20] [--threads 2]
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
 //   lib() { g++ -std=c++17 -O3 -ffp-contract=off -fPIC -shared -I$1 -o $2
 //           $1/int4.cc $1/int4_amx.cc $1/int4_x86.cc $1/int4_arm_dot.cc $1/int4_arm_i8mm.cc $1/int4_none.cc $1/attention.cc; }
 //   lib specrt/engines/kernels /tmp/a.so; lib OTHER_TREE/specrt/engines/kernels /tmp/b.so
-//   g++ -std=c++17 -O2 bench/kernel_ab.cc -ldl -pthread -o /tmp/kernel_ab
+//   g++ -std=c++17 -O2 bench/kernels/kernel_ab.cc -ldl -pthread -o /tmp/kernel_ab
 //   [KERNEL_AB_THREADS=2] [KERNEL_AB_PATHS=avx512amx,avx512vnni] /tmp/kernel_ab /tmp/a.so /tmp/b.so K N COPIES ROWS...
 //     e.g. 1536 17920 5 1 3 5 9 16; KERNEL_AB_PATHS: the path each side runs (default auto,auto), so that two paths
 //     of one library can be compared (give the same library twice)
