@@ -1,4 +1,4 @@
-"""`specrt batch` (cli/batch.py, apps/jobs.py): results, bad input, job identity, resume after SIGKILL."""
+"""`specrt batch` (cli/batch.py, apps/jobs/): results, bad input, job identity, resume after SIGKILL."""
 from __future__ import annotations
 
 import json

@@ -77,7 +77,7 @@ def test_a_lone_surrogate_escape_in_a_tool_calls_arguments_is_kept_escaped():
     the escape kept as written."""
     from fastapi.responses import JSONResponse
 
-    from specrt.apps.serve.http import _Shape
+    from specrt.apps.serve.shapes import Shape as _Shape
     from specrt.apps.serve.tools import parse
 
     text = '<tool_call>\n{"name": "get", "arguments": {"s": "a\\ud800b", "t": "\u00e9"}}\n</tool_call>'

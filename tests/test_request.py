@@ -11,6 +11,7 @@ import pytest
 from specrt.api import requests
 from specrt.api.pair import generate_batch
 from specrt.apps import jobs
+from specrt.apps.jobs import ray as jobs_ray, run as jobs_run
 from specrt.apps.serve import http
 from specrt.config import MAX_NEW_TOKENS, GenerationConfig, SamplingConfig
 from specrt.decoding.decode import Decoder, Request
@@ -141,7 +142,7 @@ class _Ref:
 
 
 class _FakeRay:
-    """Just enough of Ray's API for jobs._run_ray, with the actors made in this process."""
+    """Just enough of Ray's API for jobs.ray.run_on_ray, with the actors made in this process."""
 
     def __init__(self):
         self.made = []
@@ -167,16 +168,16 @@ class _FakeRay:
 
 def test_ray_actors_get_the_jobs_history_cap(qwen_dir, qwen_pair, tmp_path, monkeypatch):
     caps = []
-    load = jobs.load
+    load = jobs_ray.load
 
     def spy(*a, history_cap, **kw):
         caps.append(history_cap)
         return load(*a, history_cap=history_cap, **kw)
 
-    monkeypatch.setattr(jobs, "load", spy)
+    monkeypatch.setattr(jobs_ray, "load", spy)
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt": f"x = {i}"}) + "\n" for i in range(3)))
-    monkeypatch.setattr(jobs, "_ray_start", lambda address, init: (_FakeRay(), False))
+    monkeypatch.setattr(jobs_run, "start_ray", lambda address, init: (_FakeRay(), False))
     summary = jobs.run_job(qwen_dir, inp, tmp_path / "out.jsonl", jobs.JobSettings(max_new_tokens=4, draft_len=2),
                            batch_size=1, ray_address="local", progress=False, log=lambda s: None, history_cap=123)
     assert summary["written"] == 3 and caps == [123]

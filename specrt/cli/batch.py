@@ -1,4 +1,4 @@
-"""`specrt batch`: an offline job over a JSONL file of prompts (apps/jobs.py does the work)."""
+"""`specrt batch`: an offline job over a JSONL file of prompts (apps/jobs/ does the work)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""`specrt serve`: an OpenAI-compatible local server over one pair (specrt/apps/serve/http.py, the `serve` extra)."""
+"""`specrt serve`: an OpenAI-compatible local server over one pair (specrt/apps/serve/, the `serve` extra)."""
 from __future__ import annotations
 
 import ipaddress
