@@ -16,7 +16,7 @@ from specrt.apps.jobs.output import JobOutput, result_record
 from specrt.apps.jobs.progress import Progress
 from specrt.apps.jobs.sizing import BatchSizer
 from specrt.config import HISTORY_CAP, GenerationConfig
-from specrt.decoding.batch import Request
+from specrt.decoding.decode import Request
 from specrt.errors import first_line
 
 

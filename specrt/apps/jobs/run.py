@@ -14,7 +14,7 @@ from specrt.apps.jobs.progress import Progress, log_above_bar
 from specrt.apps.jobs.ray import run_on_ray, start_ray
 from specrt.apps.jobs.sizing import BatchSizer
 from specrt.config import HISTORY_CAP
-from specrt.decoding.batch import Request
+from specrt.decoding.decode import Request
 from specrt.decoding.proposers import History
 from specrt.errors import ConfigError, SpecrtError
 from specrt.manifest import read_manifest
