@@ -95,10 +95,10 @@ def test_one_prompt_rule_for_the_api_the_server_and_jobs(qwen_pair):
 def test_a_job_record_takes_the_same_settings_as_a_request(qwen_pair):
     s = jobs.resolve_settings(qwen_pair.manifest, jobs.JobSettings(draft_len=3, drafter="model"))
     rec = {"max_new_tokens": 9, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "stop": "\n\n", "seed": None}
-    cfg = jobs._config(s, rec, seed=11)
+    cfg = jobs._config(qwen_pair.manifest, s, rec, seed=11)
     assert cfg.sampling == WANT.sampling and cfg.stop == ("\n\n",) and cfg.seed == 11 and cfg.max_new_tokens == 9
     with pytest.raises(ConfigError, match="temperature must be a number"):
-        jobs._config(s, {"temperature": "x"}, seed=1)
+        jobs._config(qwen_pair.manifest, s, {"temperature": "x"}, seed=1)
 
 
 def test_a_request_alone_and_as_a_batch_row_end_alike(qwen_pair):

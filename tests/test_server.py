@@ -22,7 +22,6 @@ import openai
 
 import specrt
 
-from _helpers import export
 
 PROMPTS = ["def add(a, b):", "import numpy as np", "class Stack:", "for i in range(10):",
            "# sort a list", "print('hello')", "while True:", "x = [1, 2, 3]"]
@@ -102,12 +101,9 @@ def server(qwen_dir):
 
 
 @pytest.fixture(scope="module")
-def long_dir(work, hf_tiny) -> Path:
+def long_dir(long_qwen_dir) -> Path:
     """A tiny pair with room for long generations (the queue and disconnect tests need requests that last)."""
-    d = work / "pair-qwen2-long"
-    if not d.exists():
-        export(*hf_tiny["qwen2"], d, max_len=2048)
-    return d
+    return long_qwen_dir
 
 
 def lone(pair_dir: Path, prompt: str, n: int, chat: bool = False) -> str:

@@ -213,11 +213,15 @@ class Pair:
         `specrt tune` or the defaults; `batched`: as a row of a batch; with `prompt`, checked against the pair)."""
         return requests.resolve(self.manifest, self.tuned, self.draft is not None, batched=batched, prompt=prompt, **kw)
 
-    def settings(self, fields: dict, batched: bool = False, prompt: list[int] | None = None) -> GenerationConfig:
+    def settings(self, fields: Mapping, *defaults: requests.Layer, batched: bool = False,
+                 prompt: list[int] | None = None) -> GenerationConfig:
         """A request's GenerationConfig from its raw settings by name (api/requests.TABLE, e.g. a JSON
-        record's; None or absent: the default; another name: ConfigError), each checked
-        (api/requests.parse), then `config`."""
-        return self.config(batched=batched, prompt=prompt, **requests.parse(fields, strict=True))
+        record's; None or absent: the default; another name: ConfigError) over a front end's `defaults`
+        layers, then what `specrt tune` chose, then the built-in defaults (api/requests.settings, the one
+        resolver); with `prompt`, checked against this pair."""
+        requests.parse(fields, strict=True)
+        return requests.settings(self.manifest, self.tuned, self.draft is not None, fields, *defaults,
+                                 batched=batched, prompt=prompt)
 
     def check(self, prompt: list[int], cfg: GenerationConfig, batched: bool = False, grammar: bool = True) -> None:
         """Raise ConfigError for a request this pair cannot run (api/requests.check; `grammar`: its constraint

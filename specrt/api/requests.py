@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import numbers
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from specrt.api.text import JSONText
@@ -59,6 +59,35 @@ def resolve(m, tuned: dict | None, has_draft: bool, *, batched: bool = False, pr
     if prompt is not None:
         check(m, prompt, cfg, draft_left_out=not has_draft and m.draft is not None, batched=batched)
     return cfg
+
+
+Layer = Mapping | Callable[[dict], Mapping]
+
+
+def chain(*layers: Layer) -> dict:
+    """A request's settings from `layers` in order of precedence, each a mapping by the names of TABLE, or a
+    function of what the layers above it set: every setting from the first layer that sets it (None: unset),
+    checked for its kind. The constraint is one slot: a layer's json_schema, regex, grammar or
+    response_format replaces every lower layer's."""
+    out: dict = {}
+    for layer in layers:
+        given = layer(dict(out)) if callable(layer) else layer
+        constrained = any(c in out for c in CONSTRAINTS)
+        for name, v in given.items():
+            if v is not None and name not in out and not (constrained and name in CONSTRAINTS):
+                out[name] = _value(name, v)
+    return out
+
+
+def settings(m, tuned: dict | None, has_draft: bool, *layers: Layer, batched: bool = False,
+             prompt: list[int] | None = None) -> GenerationConfig:
+    """The one resolver of a request's settings: `layers` in order (the request's own first, then its front
+    end's defaults: the server's, a job's, a named rule like a job's for sampled records), then what `specrt
+    tune` chose, then the built-in defaults (`defaults`, GenerationConfig's). A seed given by the request
+    itself (the first layer) makes a sampled request coupled unless it names its sampling (`parse`)."""
+    own = layers[0] if layers and not callable(layers[0]) else {}
+    return resolve(m, tuned, has_draft, batched=batched, prompt=prompt,
+                   **parse(chain(*layers), seeded=own.get("seed") is not None))
 
 
 def as_batch_row(cfg: GenerationConfig, batch_draft_len: int) -> GenerationConfig:
@@ -134,7 +163,7 @@ TABLE = {
     "top_p": Field("num", "Nucleus mass to keep (1.0 = off, the default)."),
     "seed": Field("int", "Random seed for sampling (0 when not given; the server: a random one). A seeded sampled "
                          "request samples coupled by default: the target-only sample of that seed, whatever drafts it."),
-    "stop": Field("stops", "Stop string(s); the text ends before the first one that appears.", ("server", "cli", "record")),
+    "stop": Field("stops", "Stop string(s); the text ends before the first one that appears."),
     "draft_len": Field("draft_len", "Draft tokens per round (0 = target only), or 'auto' (chosen per round from measured "
                                     "acceptance and costs). Default: what `specrt tune` chose for this pair, else auto.",
                        ("server", "cli", "job")),
@@ -153,11 +182,16 @@ TABLE = {
     "json_schema": Field("schema", "The output matches this JSON schema."),
     "regex": Field("str", "The output matches this regular expression."),
     "grammar": Field("grammar", "The output matches this Lark grammar."),
-    "response_format": Field("response_format", "OpenAI's response_format object.", ("server", "record")),
+    "response_format": Field("response_format", "OpenAI's response_format object."),
 }
 _KINDS = {name: f.kind for name, f in TABLE.items()}
 FIELDS = tuple(TABLE)
 CONSTRAINTS = ("json_schema", "regex", "grammar", "response_format")
+
+
+def builtin(name: str):
+    """The built-in default of setting `name` (GenerationConfig's, SamplingConfig's)."""
+    return getattr(SamplingConfig(), name) if name in ("temperature", "top_k", "top_p") else getattr(GenerationConfig(), name)
 
 
 def fields_of(front: str) -> tuple[str, ...]:
@@ -185,11 +219,11 @@ def _value(name: str, v):
     elif kind == "str":
         bad = not isinstance(v, str)
     elif kind == "schema":
-        return grammar_of(name, v)
+        return v if isinstance(v, Grammar) else grammar_of(name, v)
     elif kind == "grammar":  # Lark text, or a Grammar of any kind (the Python API)
         bad = not isinstance(v, (str, Grammar))
     elif kind == "response_format":
-        return response_format(v)
+        return v if isinstance(v, Grammar) else response_format(v)
     elif kind == "draft_len":
         bad = v != "auto" and (isinstance(v, bool) or not isinstance(v, numbers.Integral))
         v = v if bad or v == "auto" else int(v)
@@ -209,10 +243,11 @@ def _value(name: str, v):
     return v
 
 
-def parse(fields: Mapping, strict: bool = False) -> dict:
+def parse(fields: Mapping, strict: bool = False, seeded: bool | None = None) -> dict:
     """The request settings among `fields` (any of FIELDS; other keys are the caller's, or with `strict` an
     error), each checked for its kind: keyword arguments for `resolve` (unset ones left out). Ranges are
-    GenerationConfig's checks."""
+    GenerationConfig's checks. `seeded`: whether the request gave its own seed (default: whether `fields`
+    hold one), which makes a sampled request coupled unless it names its sampling."""
     if strict and (unknown := [k for k in fields if k not in TABLE]):
         raise RequestError(f"unknown setting {unknown[0]!r}; the settings are: {', '.join(FIELDS)}", param=unknown[0])
     out = {name: _value(name, fields[name]) for name in FIELDS if fields.get(name) is not None}
@@ -228,7 +263,7 @@ def parse(fields: Mapping, strict: bool = False) -> dict:
     sampling = {n: out.pop(n) for n in ("temperature", "top_k", "top_p") if n in out}
     if "sampling" in out:
         sampling["method"] = out.pop("sampling")
-    elif "seed" in out:
+    elif ("seed" in out) if seeded is None else seeded:
         # a seeded request samples coupled: its tokens are the target-only sample of its seed whatever drafts
         # them; unseeded ones keep rejection, whose acceptance is higher (docs/drafting.md)
         sampling["method"] = "coupled"

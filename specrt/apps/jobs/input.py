@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from specrt.api import requests
 from specrt.api.grammars import Grammars
 from specrt.api.text import check_text
-from specrt.config import MAX_NEW_TOKENS, GenerationConfig, needs_draft_model
+from specrt.config import GenerationConfig, needs_draft_model
 from specrt.errors import ConfigError, SpecrtError
 
 
@@ -20,30 +20,20 @@ class JobError(SpecrtError):
     """A batch job cannot start or go on (its output file, its input, or the Ray cluster)."""
 
 
-@dataclass(frozen=True)
-class JobSettings:
-    """Job-wide defaults; a record may override max_new_tokens, temperature, top_k, top_p, seed, stop, sampling.
-    None means the pair's default (what `specrt tune` stored, else api/requests.defaults); resolved, the
-    greedy_* fields hold what greedy and coupled records draft with when the job named no draft length
-    (see the package's text)."""
+# the settings a job takes for all its records (`specrt batch`'s options), by the names of api/requests.TABLE
+JOB_FIELDS = tuple(f for f in requests.fields_of("job") if f != "seed")
+# what a record may set for itself; the rest of its settings are the job's (and part of its identity)
+RECORD_FIELDS = requests.fields_of("record")
 
-    max_new_tokens: int = MAX_NEW_TOKENS
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    draft_len: int | str | None = None
-    drafter: str | None = None
-    confidence_stop: float | None = None
-    chat: bool = False
-    sampling: str | None = None
-    greedy_draft_len: int | str | None = None
-    greedy_drafter: str | None = None
-    # structured output for every record without its own (api/requests.CONSTRAINTS): at most one
-    json_schema: str | None = None
-    regex: str | None = None
-    grammar: str | None = None
-    response_format: dict | None = None
+JobSettings = make_dataclass(
+    "JobSettings", [(f, Any, None) for f in JOB_FIELDS]
+    + [("seed", int, 0), ("chat", bool, False), ("greedy_draft_len", Any, None), ("greedy_drafter", Any, None)],
+    frozen=True)
+JobSettings.__module__ = __name__
+JobSettings.__doc__ = """A job's settings: the request settings of JOB_FIELDS every record gets unless it gives its own (None:
+the default); `seed`, the base of each record's seed (record_seed); `chat`, text prompts wrapped in the chat
+template. Resolved (resolve_settings) they name what runs: the defaults filled in, and the greedy_* fields
+what greedy and coupled records draft with when the job named no draft length (see the package's text)."""
 
 
 @dataclass
@@ -70,14 +60,16 @@ def _malformed(n: int, why: str) -> Record:
 
 
 def resolve_settings(m, s: JobSettings) -> JobSettings:
-    """Fill the pair's defaults in, so that the job identity names what actually runs."""
+    """Fill the defaults in, so that the job identity names what actually runs."""
     tuned = m.tuned or {}
     if tuned and tuned.get("graphs") != m.graph_hashes():
         tuned = {}  # loading the pair refuses such a manifest anyway (Pair)
     has_draft = m.draft is not None
     # a fixed length (a batch row's default) for sampled records, or for all when the job names one
     drafter, k, cs = requests.defaults(m, tuned, has_draft, batched=s.draft_len != "auto")
-    out = replace(s, drafter=s.drafter or drafter, draft_len=k if s.draft_len is None else s.draft_len,
+    plain = {f: requests.builtin(f) for f in ("max_new_tokens", "min_tokens", "temperature", "top_k", "top_p")
+             if getattr(s, f) is None}
+    out = replace(s, **plain, drafter=s.drafter or drafter, draft_len=k if s.draft_len is None else s.draft_len,
                   confidence_stop=cs if s.confidence_stop is None else s.confidence_stop,
                   greedy_draft_len=None, greedy_drafter=None,
                   sampling=s.sampling or "coupled")  # every record is seeded (record_seed): api/requests.parse
@@ -85,8 +77,8 @@ def resolve_settings(m, s: JobSettings) -> JobSettings:
         g_drafter, g_len, _ = requests.defaults(m, tuned, has_draft)
         out = replace(out, greedy_draft_len=g_len, greedy_drafter=s.drafter or g_drafter)
     # Checks of the job-wide settings: a ConfigError before anything runs.
-    requests.check_settings(m, _config(out, {}, 0))
-    requests.check_settings(m, _config(out, {"temperature": 1.0}, 0))
+    requests.check_settings(m, _config(m, out, {}, 0))
+    requests.check_settings(m, _config(m, out, {"temperature": 1.0}, 0))
     return out
 
 
@@ -94,26 +86,30 @@ def record_seed(seed: int, key: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "little") >> 1
 
 
-# what a record may set for itself; the rest of its settings are the job's (and part of its identity)
-RECORD_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "sampling", *requests.CONSTRAINTS)
+def sampled_records(s: JobSettings) -> requests.Layer:
+    """The jobs' rule for drafting, a layer over the job's settings: where the job named no draft length,
+    greedy and coupled records (their tokens do not depend on the drafts) draft as a request alone would
+    (auto), rejection-sampled ones a fixed length, so that their draws never follow timings."""
+    def layer(above: dict) -> dict:
+        greedy = above.get("temperature", s.temperature) == 0
+        coupled = above.get("sampling", s.sampling) == "coupled"
+        if s.greedy_draft_len is None or not (greedy or coupled):
+            return {}
+        return {"draft_len": s.greedy_draft_len, "drafter": s.greedy_drafter}
+    return layer
 
 
-def _config(s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
-    """A record's settings: the job's, overridden by the record's own RECORD_FIELDS (api/requests.parse); a
-    record's own constraint replaces the job's."""
-    own = {f: rec[f] for f in RECORD_FIELDS if rec.get(f) is not None}
-    job = {f: getattr(s, f, None) for f in RECORD_FIELDS
-           if not (f in requests.CONSTRAINTS and any(c in own for c in requests.CONSTRAINTS))}
-    fields = requests.parse({**job, "seed": seed, **own})
-    cfg = GenerationConfig(draft_len=s.draft_len, drafter=s.drafter, confidence_stop=s.confidence_stop, **fields)
-    if s.greedy_draft_len is not None and (cfg.sampling.greedy or cfg.sampling.method == "coupled"):
-        cfg = replace(cfg, draft_len=s.greedy_draft_len, drafter=s.greedy_drafter)
-    return cfg
+def _config(m, s: JobSettings, rec: dict, seed: int) -> GenerationConfig:
+    """A record's settings: its own RECORD_FIELDS, then its seed, the jobs' rule for sampled records, the job's
+    settings (api/requests.settings); a record's own constraint replaces the job's."""
+    own = {f: rec.get(f) for f in RECORD_FIELDS}
+    return requests.settings(m, {}, m.draft is not None, own, {"seed": seed}, sampled_records(s),
+                             {f: getattr(s, f) for f in JOB_FIELDS}, batched=True)
 
 
 def job_grammar(s: JobSettings):
     """The job-wide constraint's grammar (what a record without its own is constrained by), or None."""
-    return _config(s, {}, 0).grammar
+    return requests.parse(requests.chain({f: getattr(s, f) for f in requests.CONSTRAINTS})).get("grammar")
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -171,7 +167,7 @@ def _record(n: int, line: str, codec, m, s: JobSettings, grammars: Grammars | No
     r = Record(n, rid, json.dumps(rid, ensure_ascii=False))
     try:
         r.prompt = _encode(codec, m, rec, s.chat)
-        r.cfg = _config(s, rec, record_seed(s.seed, r.key))
+        r.cfg = _config(m, s, rec, record_seed(s.seed, r.key))
         requests.check(m, r.prompt, r.cfg, batched=True)
         if r.cfg.grammar is not None and grammars is not None:
             grammars.check(r.cfg.grammar)

@@ -74,30 +74,33 @@ def generation_config(pair, body: dict, prompt: list[int], defaults: ServeSettin
                             f"({m.max_draft_len + 1} of them kept for drafting)", param="messages" if "messages" in body else "prompt",
                        code="context_length_exceeded")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    fields = {f: body.get(f) for f in requests.FIELDS if f != "max_new_tokens"}
-    fields.update(max_new_tokens=body.get(name), temperature=1.0 if body.get("temperature") is None else body["temperature"])
-    for f in ("draft_len", "drafter"):
-        if fields[f] is None and defaults is not None:
-            fields[f] = getattr(defaults, f)
     try:
-        kw = requests.parse(fields)
-        given = kw.get("max_new_tokens")
+        own = {f: body.get(f) for f in requests.fields_of("server")}
+        own = requests.chain({**own, "max_new_tokens": body.get(name)})  # the body's own, checked for kind
+        given = own.get("max_new_tokens")
         if given is not None and given < 1:
             raise requests.RequestError(f"'{name}' must be >= 1, got {given}", param=name)
-        if not kw["sampling"].temperature <= 2.0:
-            raise requests.RequestError(f"'temperature' must be in [0, 2], got {kw['sampling'].temperature}",
-                                        param="temperature")
+        if not own.get("temperature", 1.0) <= 2.0:
+            raise requests.RequestError(f"'temperature' must be in [0, 2], got {own['temperature']}", param="temperature")
         if tools is not None and tools.grammar is not None:
-            if "grammar" in kw:
+            if any(own.get(c) is not None for c in requests.CONSTRAINTS):
                 raise requests.RequestError("a required or named tool call and a response format cannot both "
                                             "constrain the reply", param="tool_choice")
-            kw["grammar"] = tools.grammar
-        kw.update(max_new_tokens=min(given or room, room), seed=kw.get("seed", secrets.randbits(31)))
-        cfg = pair.config(**kw)
-        pair.check(prompt, cfg, grammar=grammar)
+            own["grammar"] = tools.grammar
+        own["max_new_tokens"] = min(given or room, room)
+        cfg = pair.settings(own, server_layer(defaults), prompt=prompt)
+        if grammar and cfg.grammar is not None:
+            pair.grammars.check(cfg.grammar)
     except SpecrtError as e:
         raise _bad_setting(e, body, name) from None
     return cfg
+
+
+def server_layer(defaults: ServeSettings | None) -> dict:
+    """The server's defaults under a request's own settings (OpenAI's): temperature 1, a random seed (which,
+    not being the request's, leaves its sampling "rejection"), and `specrt serve`'s --draft-len/--drafter."""
+    return {"temperature": 1.0, "seed": secrets.randbits(31),
+            "draft_len": defaults.draft_len if defaults else None, "drafter": defaults.drafter if defaults else None}
 
 
 def check_grammar(pair, body: dict, cfg: GenerationConfig) -> None:
