@@ -344,8 +344,8 @@ class Decoder:
         self.totals.row_rounds += len(active)
         emitted = 0
         for r, row in active:
-            # 4. Accept a prefix of the row's drafts, and one more token from the target (under a grammar, from
-            #    logits masked as the drafts' were).
+            # 4. Accept a prefix of the row's drafts, and one more token from the target (from logits masked by
+            #    the row's constraint, as the drafts' were).
             draft = drafts.get(r, NOTHING)
             lg = row.constraint.mask(logits[r][:, :self.vocab], draft.tokens)  # [k'+1, V]
             n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, len(row.seq))
