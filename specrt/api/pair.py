@@ -219,7 +219,7 @@ class Pair:
         record's; None or absent: the default; another name: ConfigError) over a front end's `defaults`
         layers, then what `specrt tune` chose, then the built-in defaults (api/requests.settings, the one
         resolver); with `prompt`, checked against this pair."""
-        requests.parse(fields, strict=True)
+        requests.check_names(fields)
         return requests.settings(self.manifest, self.tuned, self.draft is not None, fields, *defaults,
                                  batched=batched, prompt=prompt)
 

@@ -1,10 +1,11 @@
-"""What settings a request runs with: the one parser of a request, and the one place that decides a
-default and checks it.
+"""What settings a request runs with: the one table of them (TABLE: each setting's kind, help and the front
+ends that expose it), the one parser, and the one resolver that decides a default and checks it.
 
-Every front end (`Pair.generate`/`stream`, `generate_batch`, the CLI, the server, batch jobs) hands the
-request's raw settings by name (FIELDS) to `parse`, which checks each value's kind, and its prompt to
-`prompt_ids`; every entry point turns the settings into a `GenerationConfig` through `resolve`; `defaults`
-is the rule for what was not given:
+Every front end (`Pair.generate`/`stream`, `generate_batch`, the CLIs, the server, batch jobs) hands the
+request's raw settings by name to `settings`: its layers in order (the request's own, then the front end's
+defaults), each value checked for its kind (`parse`), then `resolve` into a `GenerationConfig`, where
+`defaults` is the rule for what no layer gave (`specrt tune`'s choice, then the built-in one); its prompt goes
+to `prompt_ids`:
 
 - a request alone: what `specrt tune` stored, else the hybrid drafter (the fastest setting measured
   overall, bench/RESULTS.md) at draft_len "auto", or prompt lookup (ngram) without a draft model;
@@ -243,13 +244,10 @@ def _value(name: str, v):
     return v
 
 
-def parse(fields: Mapping, strict: bool = False, seeded: bool | None = None) -> dict:
-    """The request settings among `fields` (any of FIELDS; other keys are the caller's, or with `strict` an
-    error), each checked for its kind: keyword arguments for `resolve` (unset ones left out). Ranges are
-    GenerationConfig's checks. `seeded`: whether the request gave its own seed (default: whether `fields`
+def parse(fields: Mapping, seeded: bool | None = None) -> dict:
+    """The request settings among `fields` (any of FIELDS; other keys are the caller's), each checked for its
+    kind: keyword arguments for `resolve` (unset ones left out). Ranges are GenerationConfig's checks. `seeded`: whether the request gave its own seed (default: whether `fields`
     hold one), which makes a sampled request coupled unless it names its sampling."""
-    if strict and (unknown := [k for k in fields if k not in TABLE]):
-        raise RequestError(f"unknown setting {unknown[0]!r}; the settings are: {', '.join(FIELDS)}", param=unknown[0])
     out = {name: _value(name, fields[name]) for name in FIELDS if fields.get(name) is not None}
     given = [name for name in CONSTRAINTS if name in out]
     if len(given) > 1:
@@ -270,6 +268,12 @@ def parse(fields: Mapping, strict: bool = False, seeded: bool | None = None) -> 
     if sampling:
         out["sampling"] = SamplingConfig(**sampling)
     return out
+
+
+def check_names(fields: Mapping) -> None:
+    """RequestError for a name among `fields` that is no setting (a typo the Python API must not ignore)."""
+    if unknown := [k for k in fields if k not in TABLE]:
+        raise RequestError(f"unknown setting {unknown[0]!r}; the settings are: {', '.join(FIELDS)}", param=unknown[0])
 
 
 def grammar_of(name: str, schema) -> Grammar:
