@@ -455,6 +455,24 @@ def test_sigkill_three_times_then_complete(qwen_dir, tmp_path):
         assert all(g["stats"][c] == want["stats"][c] for c in COUNTS), k
 
 
+def test_a_job_written_before_min_tokens_and_a_job_wide_stop_resumes(qwen_dir, tmp_path):
+    """An output whose job identity has no "min_tokens" and no "stop" (written before the job took them) resumes
+    with the same settings; asking for a min_tokens now is another job."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"def f{i}():"} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    assert _job(qwen_dir, inp, out).exit_code == 0
+    side = tmp_path / "out.jsonl.job.json"
+    identity = json.loads(side.read_text())
+    del identity["settings"]["min_tokens"], identity["settings"]["stop"]
+    side.write_text(json.dumps(identity))
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:2]) + "\n")  # two records still to do
+    one_line_error(_job(qwen_dir, inp, out, "--min-tokens", "2"), "belongs to another job", "min_tokens (0 -> 2)")
+    r = _job(qwen_dir, inp, out)
+    assert r.exit_code == 0, r.output
+    assert sorted(read_out(out)) == ["0", "1", "2", "3"]
+
+
 def test_a_job_written_before_its_identity_named_the_sampling_default_resumes_with_rejection(qwen_dir, tmp_path):
     """An output whose job identity has "sampling": null (the default then was rejection) is refused as another
     job by a plain rerun, naming the sampling, and resumes with --sampling rejection."""

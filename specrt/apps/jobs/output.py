@@ -108,6 +108,9 @@ class JobOutput:
         if isinstance(settings, dict) and "sampling" in settings:
             # written before jobs had structured output: none
             theirs["settings"] = {**{c: None for c in requests.CONSTRAINTS}, **theirs["settings"]}
+        if isinstance(settings, dict) and "min_tokens" not in settings:
+            # written before jobs took min_tokens and a job-wide stop: none
+            theirs["settings"] = {**theirs["settings"], "min_tokens": 0, "stop": None}
         if theirs != identity:
             diff = [k for k in ("format", "version", "input_sha256", "pair_graphs", "tokenizer")
                     if not isinstance(theirs, dict) or theirs.get(k) != identity[k]]
