@@ -232,6 +232,18 @@ void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p
   }
 }
 
+// Whether the CPU is Intel's (CPUID leaf 0's vendor "GenuineIntel"): a per-CPU trait of the AVX-512 VNNI path,
+// whose prefetch was measured on each vendor's cores (docs/kernel.md); every other CPU keeps Zen 4's choice.
+static bool intel_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "Genu" "ineI" "ntel"
+#else
+  return false;
+#endif
+}
+
 Impl impl_for(Path path) {
   Impl x86;
   x86.quantize = kAvx2Quantize;
@@ -239,7 +251,7 @@ Impl impl_for(Path path) {
   arm.quantize = quantize_scalar;
   switch (path) {
     case kAvx512Amx: return x86.kernel = kAvx512AmxKernel, x86.rows_major = true, x86.takes = amx_takes, x86;
-    case kAvx512Vnni: return x86.kernel = kAvx512VnniKernel, x86;
+    case kAvx512Vnni: return x86.kernel = intel_cpu() ? kAvx512VnniIntelKernel : kAvx512VnniKernel, x86;
     case kAvx512: return x86.kernel = kAvx512Kernel, x86;
     case kAvxVnni: return x86.kernel = kAvxVnniKernel, x86;
     case kAvx2: return x86.kernel = kAvx2Kernel, x86;

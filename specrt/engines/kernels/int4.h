@@ -106,6 +106,8 @@ void kernel_scalar(const Packed& w, const Acts& a, int r0, int nr, int p0, int p
 void quantize_scalar(const float* A, size_t lda, int row0, int rows, int K, int bs, const Acts& out);
 extern const Kernel kAvx2Kernel, kAvxVnniKernel, kAvx512Kernel, kAvx512VnniKernel, kAvx512AmxKernel, kNeonDotKernel,
     kNeonI8mmKernel;
+// The AVX-512 VNNI path with Intel's memory-side traits (prefetch), chosen for it on a GenuineIntel CPU (int4.cc)
+extern const Kernel kAvx512VnniIntelKernel;
 extern const Quantizer kAvx2Quantize;  // every x86 path runs with it
 bool amx_takes(int bs);  // the block sizes the AMX kernel takes
 

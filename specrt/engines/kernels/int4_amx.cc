@@ -55,6 +55,10 @@ struct __attribute__((packed)) Config {
 
 constexpr int kTileRows = 16;
 constexpr size_t kRunBytes = 131072;  // packed weights of the panels that share each load of activations
+// Software prefetch of the packed weights, as the AVX-512 VNNI path's on Intel (docs/kernel.md): 4 blocks ahead into
+// L1 and 8 into L2 while a run's first group of rows unpacks them. Emerald Rapids, two threads, gate/up from memory,
+// paired against none (the same bits): 1.27x at 13 and 16 rows, 1.18x at 32.
+constexpr int kAhead = 4, kFar = 8;
 
 // Block spans it takes: a block of bs values is S spans of kb (64, or 32 when bs is not a multiple of 64).
 inline int spans(int bs) { return bs % 64 ? bs / 32 : bs / 64; }
@@ -149,7 +153,16 @@ static void run(const Packed& w, const Acts& a, int r0, int nr, int rows, int q0
       for (int b = 0; b < w.nblk; ++b) {
         const uint8_t* blk = panel + (size_t)b * w.block_bytes;
         int8_t* wb = wp + (size_t)b * blk_bytes;
-        if (g == 0) unpack(blk, w.bs, wb);
+        if (g == 0) {
+          const uint8_t* end = w.data + (size_t)q1 * w.nblk * w.block_bytes;  // the run's last panel's end
+          const uint8_t* ahead = blk + kAhead * w.block_bytes;
+          if (ahead < end)
+            for (size_t at = 0; at < w.block_bytes; at += 64) __builtin_prefetch(ahead + at, 0, 3);
+          const uint8_t* far = blk + kFar * w.block_bytes;
+          if (far < end)
+            for (size_t at = 0; at < w.block_bytes; at += 64) __builtin_prefetch(far + at, 0, 2);
+          unpack(blk, w.bs, wb);
+        }
         Tl::template load_acts<0>(a, r, b * w.bs, kb);
         Tl::template block<0>(b & 1, wb, kb, dots[b & 1]);
         if (b > 0) {

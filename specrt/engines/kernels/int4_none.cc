@@ -3,7 +3,8 @@
 
 namespace specrt {
 #if !defined(__x86_64__)
-const Kernel kAvx2Kernel = nullptr, kAvxVnniKernel = nullptr, kAvx512Kernel = nullptr, kAvx512VnniKernel = nullptr;
+const Kernel kAvx2Kernel = nullptr, kAvxVnniKernel = nullptr, kAvx512Kernel = nullptr, kAvx512VnniKernel = nullptr,
+             kAvx512VnniIntelKernel = nullptr;
 const Quantizer kAvx2Quantize = nullptr;
 #endif
 }  // namespace specrt
