@@ -181,6 +181,7 @@ class MinTokens:
     def __init__(self, inner: Constraint | Free, n: int, eos_ids: frozenset[int], vocab: int):
         self.inner, self.n, self.vocab = inner, n, vocab
         self.eos = np.array(sorted(t for t in eos_ids if t < vocab), np.int64)
+        self.ends = frozenset(self.eos.tolist())
         self.out = 0  # tokens output so far
 
     def _open(self, i: int) -> bool:
@@ -197,8 +198,7 @@ class MinTokens:
 
     def cut(self, tokens: Sequence[int]) -> int:
         n = self.inner.cut(tokens)
-        ends = set(self.eos.tolist())
-        return next((i for i in range(n) if not self._open(i) and int(tokens[i]) in ends), n)
+        return next((i for i in range(n) if not self._open(i) and int(tokens[i]) in self.ends), n)
 
     def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
         out = self.inner.mask(logits, drafted)
