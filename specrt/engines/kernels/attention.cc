@@ -9,7 +9,13 @@
 // the rotary embedding) and value are written into the caches at its position; then each query (after the
 // rotary embedding) attends to the entries 0 .. its position:
 //   s_j = dot(q, k_j) * scale; m = max s_j; e_j = exp(s_j - m); out = (sum_j e_j v_j) * (1 / sum_j e_j)
-// with every sum in a fixed order that depends only on that query's own length. The arithmetic
+// with every sum in a fixed order that depends only on that query's own length.
+//
+// A row's new tokens may also be a tree (AttentionCall::depth, path): each token is still written at slot
+// P + i, but at the rotary position of its depth, P + depth, and attends to the first P entries and then to
+// its ancestors' slots by depth, itself last. Its key list is then, entry for entry, that of the same token
+// in a chain of its ancestors: each query's operations run over a list of keys by index (key pointers for
+// the scores, slots for the weighted sum), so it gets that chain's bits. The arithmetic
 // (attention_core.inc) uses GCC's vector extensions (elementwise IEEE operations, -ffp-contract=off), fused
 // multiply-adds where it says so (the instruction on AVX2 and NEON, a correctly rounded std::fma elsewhere)
 // and explicit reduction trees, so it is the same on every instruction set too.
@@ -106,6 +112,31 @@ void attention_group(const AttentionCall& c, int b, int g, float* scratch) {
   att_base::group(c, b, g, scratch);
 }
 
+std::string attention_tree(const int32_t* parents, const int* n, int B, int S, std::vector<int>* depth,
+                           std::vector<int>* path) {
+  depth->clear(), path->clear();
+  bool chain = true;
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < n[b]; ++i) {
+      const int p = parents[(size_t)b * S + i];
+      if (p < -1 || p >= i)
+        return "row " + std::to_string(b) + ", token " + std::to_string(i) + ": parent " + std::to_string(p) +
+               " is neither -1 (the last cached entry) nor an earlier new token (0 .. " + std::to_string(i - 1) + ")";
+      chain = chain && p == i - 1;
+    }
+  if (chain) return "";
+  depth->assign((size_t)B * S, 0), path->assign((size_t)B * S * S, 0);
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < n[b]; ++i) {  // a parent comes before its children: its path is complete
+      const size_t at = (size_t)b * S + i;
+      const int p = parents[at], d = p < 0 ? 0 : (*depth)[(size_t)b * S + p] + 1;
+      int* mine = path->data() + at * S;
+      if (p >= 0) memcpy(mine, path->data() + ((size_t)b * S + p) * S, sizeof(int) * d);
+      (*depth)[at] = d, mine[d] = i;
+    }
+  return "";
+}
+
 void silu_mul(const float* g, const float* u, int n, float* out) {
 #if defined(__x86_64__)
   if (use_avx2()) return att_avx2::silu_mul(g, u, n, out);
@@ -120,9 +151,13 @@ void silu_mul(const float* g, const float* u, int n, float* out) {
 // instructions even where AVX2 is there. `big` 0: 2 rows of 3 and 2 new tokens after pasts of 5 and 0
 // entries, 4 heads over 2 key/value heads of 32, 16 slots (2*3*128 + 2 * 2*2*16*32 floats); 1: rows of 9 and
 // 4 new tokens after pasts of 30 and 7, 6 heads over 2 of 128, 48 slots (2*9*768 + 2 * 2*2*48*128 floats):
-// tiles of 8 and 3 rows whose lengths differ, keys across blocks of 16, a head size of two spans of 64.
+// tiles of 8 and 3 rows whose lengths differ, keys across blocks of 16, a head size of two spans of 64;
+// 2: problem 1 with each row's new tokens as a tree (kTreeParents), branches and depths mixed in every tile.
 extern "C" __attribute__((visibility("default"))) int specrt_attention_demo(float* out, int base, int big) {
   using namespace specrt;
+  static const int32_t kTreeParents[2][9] = {{-1, 0, 0, 1, 2, -1, 5, 3, 7}, {-1, -1, 1, 0}};
+  const bool tree = big == 2;
+  big = big != 0;
   const int B = 2, S = big ? 9 : 3, H = big ? 6 : 4, Hkv = 2, D = big ? 128 : 32, C = big ? 48 : 16;
   unsigned s = 7;
   auto next = [&s]() { return s = s * 1103515245u + 12345u, (float)((int)((s >> 9) % 2001) - 1000) / 500.0f; };
@@ -143,6 +178,11 @@ extern "C" __attribute__((visibility("default"))) int specrt_attention_demo(floa
   c.q = qkv.data(), c.k = c.q + H * D, c.v = c.q + (H + Hkv) * D;
   c.q_stride = c.k_stride = c.v_stride = (size_t)(H + 2 * Hkv) * D;
   c.cos = cos.data(), c.sin = sin.data(), c.present_k = pk, c.present_v = pv, c.out = o, c.scale = 0.17f;
+  std::vector<int> depth, path;
+  if (tree) {
+    if (!attention_tree(&kTreeParents[0][0], n, B, S, &depth, &path).empty() || depth.empty()) return -1;
+    c.depth = depth.data(), c.path = path.data();
+  }
   for (int b = 0; b < B; ++b)
     for (int i = 0; i < n[b]; ++i)
       for (int g = 0; g < Hkv; ++g) base ? att_base::write_kv(c, b, g, i) : attention_write_kv(c, b, g, i);

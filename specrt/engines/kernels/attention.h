@@ -2,6 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 namespace specrt {
 
@@ -18,7 +21,19 @@ struct AttentionCall {
   float *present_k = nullptr, *present_v = nullptr;  // [B][Hkv][C][D]
   float* out = nullptr;                              // [B][S][H * D]
   float scale = 1.0f;
+  // Each row's new tokens as a tree (attention_tree; null: a chain, token i the parent of token i + 1).
+  // Token i is still written at slot P + i, but its rotary position is P + depth[b][i] and its keys are
+  // the first P slots and then its ancestors' by depth, itself last: the slots P + path[b][i][0 .. depth].
+  const int* depth = nullptr;  // [B][S]
+  const int* path = nullptr;   // [B][S][S]
 };
+
+// The tree of each row's new tokens from parents [B][S] (token i's parent among the row's new tokens, or -1
+// for the row's last cached entry; positions from n[b] on are ignored): depth and path as AttentionCall
+// takes them, or both left empty when every row is a chain (the call needs no tree). Returns "" or, when a
+// parent is not in [-1, i - 1], why not (one line).
+std::string attention_tree(const int32_t* parents, const int* n, int B, int S, std::vector<int>* depth,
+                           std::vector<int>* path);
 
 constexpr int kAttentionTile = 8;  // (head, query) rows that share each read of a block of keys and values
 

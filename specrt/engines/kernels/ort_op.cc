@@ -12,7 +12,9 @@
 //
 // specrt.Attention, attention.h: inputs query [B, S, (H + 2 Hkv) D] (or [B, S, H D] with key and value
 // [B, S, Hkv D]), key, value (optional), past_key and past_value [B, Hkv, C, D], seqlens_k [B] int32,
-// cos_cache and sin_cache [positions, D / 2], query_seqlens [B] int32 (optional); outputs [B, S, H D],
+// cos_cache and sin_cache [positions, D / 2], query_seqlens [B] int32 (optional), tree_parents [B, S]
+// int32 (optional: each new token's parent among its row's new tokens, -1 for the row's last cached entry;
+// absent, or each token the parent of the next, a chain: attention_tree); outputs [B, S, H D],
 // present_key and present_value (the past buffers when bound to them, as the engine does); attributes
 // num_heads, kv_num_heads, scale.
 #include <cmath>
@@ -345,13 +347,13 @@ ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
   const AttentionOp& op = *(const AttentionOp*)kernel;
   size_t inputs = 0;
   if (ort::Status* s = api.KernelContext_GetInputCount(ctx, &inputs)) return s;
-  const ort::Value* in[9] = {nullptr};
-  for (size_t i = 0; i < inputs && i < 9; ++i)
+  const ort::Value* in[10] = {nullptr};
+  for (size_t i = 0; i < inputs && i < 10; ++i)
     if (ort::Status* s = api.KernelContext_GetInput(ctx, i, &in[i])) return s;
   std::string why;
   std::vector<int64_t> qd, kd, vd, pkd, pvd, sd, cd, nd;
   const void *q = nullptr, *k = nullptr, *v = nullptr, *pk = nullptr, *pv = nullptr, *seqlens = nullptr,
-             *cs = nullptr, *sn = nullptr, *qlens = nullptr;
+             *cs = nullptr, *sn = nullptr, *qlens = nullptr, *parents = nullptr;
   const size_t any = (size_t)-1;
   if (!in[0] || !tensor(api, in[0], ort::kFloat, any, &q, &why, &qd) || qd.size() != 3) return afail(api, "query: " + why);
   if (!in[3] || !tensor(api, in[3], ort::kFloat, any, &pk, &why, &pkd) || pkd.size() != 4) return afail(api, "past_key: " + why);
@@ -382,6 +384,16 @@ ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
       return afail(api, "row " + std::to_string(b) + ": seqlens_k and query_seqlens leave the cache (" +
                            std::to_string(n[b]) + " new of " + std::to_string(T) + ", capacity " + std::to_string(C) + ")");
   }
+  // the rows' trees, made once for every key/value head (a chain needs none: the kernel's plain path)
+  thread_local std::vector<int> depth, path;
+  depth.clear(), path.clear();
+  if (inputs > 9 && in[9]) {
+    if (!tensor(api, in[9], ort::kInt32, (size_t)(B * S), &parents, &why)) return afail(api, "tree_parents: " + why);
+    if (B && S) {
+      why = specrt::attention_tree((const int32_t*)parents, n.data(), (int)B, (int)S, &depth, &path);
+      if (!why.empty()) return afail(api, "tree_parents: " + why);
+    }
+  }
   const int64_t odims[3] = {B, S, op.H * D};
   ort::Value *ov = nullptr, *pkv = nullptr, *pvv = nullptr;
   if (ort::Status* s = api.KernelContext_GetOutput(ctx, 0, odims, 3, &ov)) return s;
@@ -406,6 +418,7 @@ ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
   c.cos = (const float*)cs, c.sin = (const float*)sn;
   c.present_k = (float*)present_k, c.present_v = (float*)present_v, c.out = (float*)out;
   c.scale = op.scale != 0.0f ? op.scale : 1.0f / std::sqrt((float)D);
+  if (!depth.empty()) c.depth = depth.data(), c.path = path.data();
   if (!B || !S) return nullptr;
   for (int b = 0; b < c.B; ++b)  // the new keys and values first: a query attends to those before it
     for (int i = 0; i < n[b]; ++i)
@@ -416,12 +429,12 @@ ort::Status* attention_compute(void* kernel, ort::KernelContext* ctx) {
 
 const char* attention_name(const ort::CustomOp*) { return "Attention"; }
 ort::ElementType attention_input_type(const ort::CustomOp*, size_t i) {
-  return i == 5 || i == 8 ? ort::kInt32 : ort::kFloat;
+  return i == 5 || i == 8 || i == 9 ? ort::kInt32 : ort::kFloat;
 }
-size_t attention_inputs(const ort::CustomOp*) { return 9; }
+size_t attention_inputs(const ort::CustomOp*) { return 10; }
 size_t attention_outputs(const ort::CustomOp*) { return 3; }
 ort::Characteristic attention_input_kind(const ort::CustomOp*, size_t i) {
-  return i == 1 || i == 2 || i == 8 ? ort::kOptional : ort::kRequired;
+  return i == 1 || i == 2 || i == 8 || i == 9 ? ort::kOptional : ort::kRequired;
 }
 
 // ---------------------------------------------------------------------------------------------- registration
