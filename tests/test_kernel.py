@@ -375,7 +375,7 @@ def test_a_norm_folds_into_the_matmul_after_it(tmp_path):
         feeds = {"A": A} if kind == "simple" else {"A": A, "S": S}
         ours, _ = _session(path, "auto", threads=2)
         theirs, _ = _session(path, "off")
-        got, want = ours.run(None, feeds), theirs.run(None, feeds)
+        got, want = _run_attention(ours, feeds), theirs.run(None, feeds)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-3, atol=1e-3 * np.abs(want[0]).max())
         if kind in ("used elsewhere", "bias"):
             assert ops[-1] == "Int4MatMul" and len(ops) == 2, ops
@@ -517,6 +517,7 @@ def test_the_arm_paths_under_qemu(tmp_path, cxx, cpu, paths):
     if int4.library() is not None:  # the attention gives the same bits on Arm as here
         assert f"attention {_attention_hash():016x}" in r.stdout
         assert f"attention-big {_attention_hash(big=True):016x}" in r.stdout
+        assert f"attention-tree {_attention_hash(big=2):016x}" in r.stdout
 
 
 @built
@@ -592,9 +593,9 @@ print("session ok" if kernel.swapped == 1 else "session not swapped", hashlib.sh
 """ % str(ROOT / "tests")
 
 
-def _attention_hash(base: bool = False, big: bool = False) -> int:
-    """The bits of specrt_attention_demo's problem (attention.cc): the small one or the big one, through the
-    best instructions this CPU has or the baseline's."""
+def _attention_hash(base: bool = False, big: int = 0) -> int:
+    """The bits of specrt_attention_demo's problem (attention.cc): the small one, the big one (1) or the big
+    one's rows as trees (2), through the best instructions this CPU has or the baseline's."""
     lib = int4._lib()
     out = np.empty(2 * 9 * 768 + 2 * 2 * 2 * 48 * 128 if big else 2 * 3 * 128 + 2 * 2 * 2 * 16 * 32, np.float32)
     n = lib.specrt_attention_demo(ctypes.c_void_p(out.ctypes.data), int(base), int(big))
@@ -639,6 +640,15 @@ def _attention_case(rng, H=4, Hkv=2, D=32, C=48):
     return H, Hkv, D, C, cos, sin
 
 
+def _run_attention(sess, feeds: dict) -> list:
+    """A run of a _gqa_graph session; where specrt's attention took the node, the graph's tree input (int4.plan)
+    gets a chain's parents (each token after the one before)."""
+    if int4.TREE_INPUT in {i.name for i in sess.get_inputs()}:
+        B, S = feeds["qkv"].shape[:2]
+        feeds = {**feeds, int4.TREE_INPUT: np.tile(np.arange(-1, S - 1, dtype=np.int32), (B, 1))}
+    return sess.run(None, feeds)
+
+
 @built
 def test_attention_computes_what_groupqueryattention_computes(tmp_path):
     rng = np.random.default_rng(8)
@@ -655,7 +665,7 @@ def test_attention_computes_what_groupqueryattention_computes(tmp_path):
     feeds = {"qkv": rng.standard_normal((B, S, (H + 2 * Hkv) * D)).astype(np.float32), "past_key": cache_k,
              "past_value": cache_v, "seqlens_k": (past + n - 1).astype(np.int32), "total": np.array([C], np.int32),
              "qlens": n}
-    got, want = ours.run(None, feeds), theirs.run(None, feeds)
+    got, want = _run_attention(ours, feeds), theirs.run(None, feeds)
     for b in range(B):
         np.testing.assert_allclose(got[0][b, :n[b]], want[0][b, :n[b]], rtol=1e-4, atol=2e-5)
         assert not got[0][b, n[b]:].any()  # padding positions: zeros
@@ -692,7 +702,7 @@ def test_attention_rows_ignore_the_pass(tmp_path):
                          past_value=np.concatenate([past[1], past[1]]),
                          seqlens_k=np.array([10 + width - 1, P + first + width - 1], np.int32),
                          qlens=np.array([width, width], np.int32))
-        out = ours.run(None, feeds)
+        out = _run_attention(ours, feeds)
         return [o[-1:] for o in out]
 
     wide = run(0, 9)

@@ -45,10 +45,20 @@ class RaggedEngine(Engine, Protocol):
     # [batch] int64: per row, the lowest slot a pass has written since a caller set it (max_len: none), so
     # that a caller keeping slots across requests sees when other code wrote over them
     lowest_write: np.ndarray
+    # Optional (False when absent): forward_ragged takes tokens with parent pointers, and `move` slot moves.
+    trees: bool
 
-    def forward_ragged(self, tokens: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+    def forward_ragged(self, tokens: np.ndarray, counts: np.ndarray, logit_index: np.ndarray,
+                       parents: np.ndarray | None = None) -> np.ndarray:
         """Row r appends tokens[r, :counts[r]] ([B, S], right-padded; 0: the row sits out); returns logits
-        [N, V] for the flat positions `logit_index` [N] (row * S + position)."""
+        [N, V] for the flat positions `logit_index` [N] (row * S + position). With `trees`, `parents` [B, S]
+        gives tokens with parent pointers: token i follows token parents[r, i] of the call (-1: the row's
+        cached tokens) instead of token i - 1, and computes as the continuation of that chain of ancestors
+        (still written at slot lengths[r] + i)."""
+        ...
+
+    def move(self, r: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """With `trees`: row r's cache slots dst[i] get what slots src[i] hold (every layer's keys and values)."""
         ...
 
     def set_length(self, row: int, length: int) -> None:

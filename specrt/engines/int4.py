@@ -31,6 +31,9 @@ import numpy as np
 from specrt.errors import PairError, first_line
 
 DOMAIN, OP, ATTENTION = "specrt", "Int4MatMul", "Attention"
+# The graph input plan() adds when specrt's attention takes every attention node: int32 [batch, seq], each new
+# token's parent among its row's new tokens (-1: the row's last cached entry); kernels/ort_op.cc
+TREE_INPUT = "tree_parents"
 ENV = "SPECRT_INT4_KERNEL"
 LIBRARY_ENV = "SPECRT_INT4_LIBRARY"
 HERE = Path(__file__).parent
@@ -52,6 +55,9 @@ class Kernel:
     attention_total: int = 0
     attention_why: str | None = None
     other_matmuls: int = 0  # float MatMul/Gemm nodes: onnxruntime's, whose rounding may follow the pass
+    # whether the graph takes TREE_INPUT (every attention node specrt's), else why not
+    trees: bool = False
+    trees_why: str | None = None
 
     @property
     def invariant(self) -> bool:
@@ -378,17 +384,40 @@ def _attention_refusal(node, inits: dict) -> str | None:
     return None
 
 
+def _add_tree_input(graph, attention: list) -> str | None:
+    """Adds TREE_INPUT to the graph and as input 9 of every specrt.Attention node in `attention`; None, or why
+    not. Its dimensions are input_ids' (the same symbols), else the first node's query's batch and sequence."""
+    from onnx import TensorProto, helper
+
+    if not attention:
+        return "no attention nodes"
+    if any(i.name == TREE_INPUT for i in graph.input):
+        return f"the graph already has an input named {TREE_INPUT}"
+    shapes = {v.name: v.type.tensor_type.shape for v in graph.input}
+    dims = []
+    for name in ("input_ids", attention[0].input[0]):
+        shape = shapes.get(name)
+        if shape is not None and len(shape.dim) >= 2:
+            dims = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in shape.dim[:2]]
+            break
+    graph.input.append(helper.make_tensor_value_info(TREE_INPUT, TensorProto.INT32, dims or ["batch", "seq"]))
+    for node in attention:
+        node.input.append(TREE_INPUT)  # after query_seqlens (input 8, maybe "")
+    return None
+
+
 def plan(model_path: Path, choice: str | None = None):
     """(graph, Kernel): the graph of `model_path` (weights left in their files) with every MatMulNBits and
     GroupQueryAttention the kernels take swapped for specrt's, or None when none is (then onnxruntime loads
-    the file as is)."""
+    the file as is). When specrt's attention takes every attention node the graph gets the input TREE_INPUT
+    (Kernel.trees), which every call must then feed: each new token's parent, [-1, 0, 1, ...] for a chain."""
     choice = setting() if choice is None else choice
     try:
         import onnx
         from onnx import helper
     except ImportError:  # a runtime without onnx still runs, on onnxruntime's own kernels
         why = "the onnx package, which swaps specrt's kernels into the graph, is not installed (pip install onnx)"
-        return None, Kernel(None, 0, 0, why, 0, 0, why)
+        return None, Kernel(None, 0, 0, why, 0, 0, why, trees_why=why)
     try:
         model = onnx.load(os.fspath(model_path), load_external_data=False)
     except Exception as e:  # onnx and protobuf raise their own types for a damaged file
@@ -396,12 +425,13 @@ def plan(model_path: Path, choice: str | None = None):
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
     attn = [n for n in model.graph.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     if not nodes and not attn:
-        return None, Kernel(None, 0, 0)
+        return None, Kernel(None, 0, 0, trees_why="no attention nodes")
     off = f"{ENV}=off" if choice == "off" else None
     built = None if library() is not None else unavailable()
     if off or built:
         why = off or built
-        return None, Kernel(None, 0, len(nodes), why if nodes else None, 0, len(attn), why if attn else None)
+        return None, Kernel(None, 0, len(nodes), why if nodes else None, 0, len(attn), why if attn else None,
+                            trees_why=why)
     inits = {t.name: t for t in model.graph.initializer}
     path, swapped, refused = None, 0, {}
     simd = unavailable()  # a CPU without any of the matmul's SIMD paths: onnxruntime's MatMulNBits
@@ -429,7 +459,10 @@ def plan(model_path: Path, choice: str | None = None):
     a_why = _reasons(a_refused)
     other = sum(n.op_type in ("MatMul", "Gemm") and n.domain in ("", "ai.onnx") and n.input[1] in inits
                 for n in model.graph.node)
-    kernel = Kernel(path if swapped else None, swapped, len(nodes), why, a_swapped, len(attn), a_why, other)
+    trees_why = _add_tree_input(model.graph, attn) if a_swapped == len(attn) else \
+        f"onnxruntime's GroupQueryAttention on {len(attn) - a_swapped} of {len(attn)} attention nodes ({a_why})"
+    kernel = Kernel(path if swapped else None, swapped, len(nodes), why, a_swapped, len(attn), a_why, other,
+                    trees_why is None, trees_why)
     if not swapped and not a_swapped:
         return None, kernel
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))

@@ -154,13 +154,15 @@ def load_session(path: Path, entry: ModelEntry, device: str, device_id: int = 0,
     if device == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
         raise PairError(f"onnxruntime could not start its CUDA provider for {path} (CUDA/cuDNN libraries "
                         "not found? see `python -c 'import onnxruntime; onnxruntime.preload_dlls()'`)")
-    _check_io(session, entry, path)
+    _check_io(session, entry, path, kernel)
     return session, note, kernel
 
 
-def _check_io(session, entry: ModelEntry, path: Path) -> None:
-    """The graph must have exactly the inputs and outputs its manifest entry lists."""
-    for kind, actual, expected in (("input", session.get_inputs(), entry.inputs),
+def _check_io(session, entry: ModelEntry, path: Path, kernel=None) -> None:
+    """The graph must have exactly the inputs and outputs its manifest entry lists (and the input for tokens
+    with parent pointers, when the kernels added it: int4.plan)."""
+    trees = {int4.TREE_INPUT: {"dtype": "int32"}} if kernel is not None and kernel.trees else {}
+    for kind, actual, expected in (("input", session.get_inputs(), {**entry.inputs, **trees}),
                                    ("output", session.get_outputs(), entry.outputs)):
         got = {a.name: _ORT_TYPES.get(a.type, a.type) for a in actual}
         want = {n: spec["dtype"] for n, spec in expected.items()}
@@ -310,6 +312,11 @@ class LeanEngine(_Base):
         self._caches_bound = False  # in self._io (bound at the first uncaptured call, where _offset is final)
         self._graphs = _CudaGraphs(self) if self.captures else None
         self._rows: dict[int, LeanEngine] = {}
+        # Whether a call takes tokens with parent pointers (forward_ragged's `parents`): the session has the
+        # input for them, which only specrt's attention on the CPU takes (int4.plan adds it); every call
+        # then feeds it, a chain's where the caller gives none (made once per width: _chains).
+        self.trees = any(i.name == int4.TREE_INPUT for i in self.session.get_inputs())
+        self._chains: dict[int, np.ndarray] = {}
 
     @property
     def length(self) -> int:
@@ -343,34 +350,101 @@ class LeanEngine(_Base):
         out = self.forward_ragged(tokens, np.full(B, S, np.int64), index)
         return out.reshape(B, len(pos), self.entry.logits_width)
 
-    def forward_ragged(self, tokens: np.ndarray, counts: np.ndarray, logit_index: np.ndarray) -> np.ndarray:
+    def forward_ragged(self, tokens: np.ndarray, counts: np.ndarray, logit_index: np.ndarray,
+                       parents: np.ndarray | None = None) -> np.ndarray:
         """Row r appends tokens[r, :counts[r]] ([B, S], right-padded; count 0: the row sits out). Returns
         logits [N, V] for the flat positions `logit_index` [N] (row * S + position), a view valid until the
-        next call."""
+        next call.
+
+        `parents` [B, S] int (engines with `trees`; a call of one pass, not cut in prefill chunks): tokens
+        with parent pointers. parents[r, i] for i < counts[r] is -1 (token i follows the row's cached
+        tokens) or the index of the earlier token of the call it follows; a token is still written at slot
+        lengths[r] + i, but it reads as the continuation of its cached tokens and its ancestors only, at the
+        position that chain gives it, so its logits and cache entries are those of that chain (the same bits
+        where the kernels are row-exact). None: each token follows the one before it."""
         B, S = tokens.shape
         counts = np.asarray(counts, np.int64)
         if B != self.batch:
             raise ValueError(f"{B} rows for an engine of batch {self.batch}")
         self._check(int(self.lengths.max()), S, len(logit_index))  # every row has room for the padded pass
+        chunked = bool(self.prefill_chunk and S > self.prefill_chunk)
+        if parents is not None:
+            parents = self._parents(parents, tokens.shape, counts)
+            if chunked:
+                raise ValueError(f"tokens with parent pointers go in one pass: {S} are more than the engine's "
+                                 f"prefill chunk of {self.prefill_chunk}")
         np.minimum(self.lowest_write, np.where(counts > 0, self.lengths, self.max_len), out=self.lowest_write)
-        if self.prefill_chunk and S > self.prefill_chunk:
+        if chunked:
             return self._chunked(tokens, counts, logit_index)
         if not self.ragged and B > 1 and S > 1:  # GroupQueryAttention without query_seqlens refuses these
-            return self._row_by_row(tokens, counts, logit_index)
-        if self._graphs is not None:
+            return self._row_by_row(tokens, counts, logit_index, parents)
+        if self._graphs is not None:  # CUDA: never parents (no trees there)
             out = self._graphs.run(tokens, counts, logit_index)
             if out is not None:
                 self.lengths += counts
                 return out
-        return self._run(tokens, counts, logit_index)
+        return self._run(tokens, counts, logit_index, parents)
 
-    def _inputs(self, tokens, counts) -> dict[str, np.ndarray]:
+    def _parents(self, parents, shape: tuple[int, int], counts: np.ndarray) -> np.ndarray:
+        """`parents` as the int32 [B, S] array the graph takes; ValueError when this engine takes none or
+        one of them is not -1 or an earlier token of its row."""
+        if not self.trees:
+            why = self.kernel.trees_why if self.kernel is not None else f"onnxruntime's attention on {self.device}"
+            raise ValueError(f"this engine takes no parent pointers ({why or 'its graph has no input for them'})")
+        p = np.asarray(parents)
+        if p.shape != shape or p.dtype.kind not in "iu":
+            raise ValueError(f"parents must be integers of the tokens' shape {shape}, not {p.dtype} {p.shape}")
+        i = np.arange(shape[1])
+        # a graph without query_seqlens reads all S tokens of every row in a pass of its own (_run), a row's
+        # count only where rows run one by one (_row_by_row)
+        fed = counts[:, None] if self.ragged or min(shape) > 1 else shape[1]
+        bad = ((p < -1) | (p >= i)) & (i < fed)
+        if bad.any():
+            r, j = np.argwhere(bad)[0]
+            raise ValueError(f"row {r}, token {j}: parent {p[r, j]} is neither -1 (the row's cached tokens) nor an "
+                             f"earlier token of the call (0 .. {j - 1})")
+        return np.ascontiguousarray(p, np.int32)
+
+    def _chain(self, S: int) -> np.ndarray:
+        """The parents of a call whose tokens each follow the one before: [-1, 0, .., S - 2] in every row."""
+        if S not in self._chains:
+            self._chains[S] = np.ascontiguousarray(np.broadcast_to(np.arange(-1, S - 1, dtype=np.int32), (self.batch, S)))
+        return self._chains[S]
+
+    def move(self, r: int, src, dst) -> None:
+        """Slot moves: in row r's caches (every layer's keys and values) slot dst[i] gets what slot src[i]
+        holds. Every source is read before any destination is written, so the two may overlap; no
+        destination twice. Lengths stay as they are (set_length says which slots count). CPU caches only."""
+        if self.device != "cpu":
+            raise ValueError(f"slot moves take caches in CPU memory, not on {self.device}")
+        if not 0 <= r < self.batch:
+            raise ValueError(f"no row {r} in an engine of batch {self.batch}")
+        src, dst = np.asarray(src, np.int64).reshape(-1), np.asarray(dst, np.int64).reshape(-1)
+        if src.shape != dst.shape:
+            raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
+        if len(src) and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= self.max_len):
+            raise ValueError(f"slots must be in 0 .. {self.max_len - 1}")
+        if len(np.unique(dst)) != len(dst):
+            raise ValueError("a destination slot named twice")
+        moved = src != dst
+        src, dst = src[moved], dst[moved]
+        if not len(src):
+            return
+        row = self._offset // self._row_bytes + r  # a row view's row of the batch's buffers
+        for buf in (*self.keys, *self.values):
+            cache = buf[row]  # [Hkv, C, D]
+            cache[:, dst] = cache[:, src]  # the fancy index gathers a copy first
+        self.lowest_write[r] = min(int(self.lowest_write[r]), int(dst.min()))
+
+    def _inputs(self, tokens, counts, parents=None) -> dict[str, np.ndarray]:
         seqlens = self.lengths + (counts if self.ragged else tokens.shape[1]) - 1
         feeds = {"input_ids": np.ascontiguousarray(tokens, np.int64),
                  "seqlens_k": np.maximum(seqlens, 0).astype(np.int32),  # an idle empty row: one slot, unused
                  "total_sequence_length": self._total}
         if self.ragged:
             feeds["query_seqlens"] = counts.astype(np.int32)
+        if self.trees:
+            feeds[int4.TREE_INPUT] = self._chain(tokens.shape[1]) if parents is None else parents
         return feeds
 
     def _bind_caches(self, io) -> None:
@@ -381,9 +455,9 @@ class LeanEngine(_Base):
                 io.bind_input(past, dev, did, self.dtype, list(self.shape), ptr + self._offset)
                 io.bind_output(present, dev, did, self.dtype, list(self.shape), ptr + self._offset)  # in place
 
-    def _run(self, tokens, counts, logit_index) -> np.ndarray:
+    def _run(self, tokens, counts, logit_index, parents=None) -> np.ndarray:
         io, N, W = self._io, len(logit_index), self.entry.logits_width
-        for name, value in self._inputs(tokens, counts).items():
+        for name, value in self._inputs(tokens, counts, parents).items():
             io.bind_cpu_input(name, value)
         io.bind_cpu_input("logit_index", np.ascontiguousarray(logit_index, np.int64))
         if not self._caches_bound:  # a binding holds between runs; the caches' addresses and shapes never change
@@ -410,7 +484,7 @@ class LeanEngine(_Base):
             out[mine] = self.forward_ragged(tokens[:, start:end], n, rows[mine] * (end - start) + pos[mine] - start)
         return out
 
-    def _row_by_row(self, tokens, counts, logit_index) -> np.ndarray:
+    def _row_by_row(self, tokens, counts, logit_index, parents=None) -> np.ndarray:
         """An onnxruntime without query_seqlens: each fed row in its own batch-1 call."""
         S, W = tokens.shape[1], self.entry.logits_width
         logit_index = np.asarray(logit_index, np.int64)
@@ -418,7 +492,8 @@ class LeanEngine(_Base):
         for r in np.flatnonzero(counts):
             mine = np.flatnonzero(logit_index // S == r)
             pos = logit_index[mine] % S
-            got = self.row(r).forward_ragged(tokens[r:r + 1, :counts[r]], counts[r:r + 1], pos)
+            mine_parents = None if parents is None else parents[r:r + 1, :counts[r]]
+            got = self.row(r).forward_ragged(tokens[r:r + 1, :counts[r]], counts[r:r + 1], pos, mine_parents)
             out[mine] = got
         return out
 
