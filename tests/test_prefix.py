@@ -31,9 +31,9 @@ def _passes(engine, monkeypatch) -> list[tuple[int, int]]:
     """(start position, width) of every pass the engine runs from now on."""
     log, run = [], engine._run
 
-    def logged(tokens, counts, logit_index):
+    def logged(tokens, counts, logit_index, *parents):
         log.append((int(engine.lengths[0]), int(counts[0])))
-        return run(tokens, counts, logit_index)
+        return run(tokens, counts, logit_index, *parents)
 
     monkeypatch.setattr(engine, "_run", logged)
     return log

@@ -315,7 +315,7 @@ class LeanEngine(_Base):
         # Whether a call takes tokens with parent pointers (forward_ragged's `parents`): the session has the
         # input for them, which only specrt's attention on the CPU takes (int4.plan adds it); every call
         # then feeds it, a chain's where the caller gives none (made once per width: _chains).
-        self.trees = any(i.name == int4.TREE_INPUT for i in self.session.get_inputs())
+        self.trees = self.device == "cpu" and any(i.name == int4.TREE_INPUT for i in self.session.get_inputs())
         self._chains: dict[int, np.ndarray] = {}
 
     @property
