@@ -230,6 +230,24 @@ def test_the_tree_input_takes_input_ids_dimensions(int4_default_pair):
     assert attention and all(len(n.input) == 10 and n.input[9] == int4.TREE_INPUT for n in attention)
 
 
+@built
+def test_no_tree_input_where_an_attention_node_stays_onnxruntimes(tmp_path):
+    import onnx
+    from onnx import helper
+
+    from test_kernel import _attention_case, _gqa_graph
+
+    H, Hkv, D, C, cos, sin = _attention_case(np.random.default_rng(5))
+    path = _gqa_graph(tmp_path / "gqa.onnx", H, Hkv, D, C, cos, sin, 0.125)
+    model = onnx.load(str(path))
+    model.graph.node[0].attribute.append(helper.make_attribute("softcap", 30.0))  # what specrt's refuses
+    onnx.save(model, str(path))
+    graph, kernel = int4.plan(path, "auto")
+    assert graph is None and kernel.attention == 0 and not kernel.trees
+    assert kernel.trees_why == "onnxruntime's GroupQueryAttention on 1 of 1 attention nodes (1 with softcap, local " \
+                               "window or smooth softmax)"
+
+
 def test_rows_run_one_by_one_take_their_parents(noq_dir):
     """A graph without query_seqlens runs a ragged pass row by row: each row with its own parents (fp32
     matmuls are onnxruntime's, so against the chain within float rounding)."""
