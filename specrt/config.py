@@ -27,6 +27,7 @@ def _is_int(v) -> bool:
 
 
 SAMPLERS = ("rejection", "coupled")
+TREES = ("auto", "off")  # auto: a round may verify a tree where the target takes one (decoding/tree.py)
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,11 @@ class GenerationConfig:
     draft_window: int | None = None
     grammar: Grammar | None = None  # the output must match it (structured output); None: free text
     min_tokens: int = 0  # no end of text (EOS) before this many new tokens; a stop string still ends it
+    tree: str = "auto"  # TREES
 
     def __post_init__(self):
+        if self.tree not in TREES:
+            raise ConfigError(f"tree must be one of {', '.join(TREES)}, got {show(self.tree)}", param="tree")
         if self.drafter not in DRAFTERS:
             raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}", param="drafter")
         if not 1 <= self.ngram_max <= 16:

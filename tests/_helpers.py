@@ -110,6 +110,34 @@ class FakeEngine:
         pass
 
 
+class FakeTreeEngine(FakeEngine):
+    """FakeEngine taking trees (engines.base.Engine's `trees`): a token with parent pointers reads the cache and
+    its ancestors only; `move` copies cache slots. Its logits depend on every token read, so a wrong ancestor,
+    a stale slot or a missed move changes them."""
+
+    trees = True
+
+    def forward_ragged(self, tokens, counts, logit_index, parents=None):
+        P, S = self.length, tokens.shape[1]
+        assert tokens.shape[0] == 1 and counts[0] == S and P + S <= self.max_len
+        par = np.arange(-1, S - 1) if parents is None else np.asarray(parents)[0]
+        self.cache[P:P + S] = tokens[0]
+        self.length = P + S
+        self.calls += 1
+
+        def read(j):  # the cache, then j's ancestors from the root down, then j
+            path = []
+            while j >= 0:
+                path.insert(0, j)
+                j = par[j]
+            return np.concatenate([self.cache[:P], tokens[0][path]])
+
+        return np.stack([self.logits_for(read(j)) for j in logit_index]).astype(np.float32)
+
+    def move(self, r, src, dst):
+        self.cache[list(dst)] = self.cache[list(src)]
+
+
 def fake_exact_joint(target: FakeEngine, prompt: list[int], cfg, n: int = 3) -> np.ndarray:
     """Exact probability of every first-n-token sequence under `target` warped by `cfg`, flat [V**n]."""
     from specrt.decoding.sampling import warp

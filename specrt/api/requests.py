@@ -175,6 +175,8 @@ TABLE = {
                                  "ones (0 = no limit; default: 32 on the CPU, none on a GPU).", ("server", "cli")),
     "confidence_stop": Field("num", "Stop a model draft once its top probability falls below this (0 = never; "
                                     "default: tuned or 0).", ("server", "cli", "job")),
+    "tree": Field("str", "auto: a round may verify a tree of drafts (the draft model's next choices, a lookup's "
+                         "continuation) where the pair's target takes one and it pays; off: chains only. Default auto."),
     "ngram_max": Field("int", "Longest suffix (1..16 tokens) prompt lookup matches (default 16).", ("server", "cli")),
     "sampling": Field("str", "How a sampled request verifies drafts: coupled (the default with a seed: the seed gives "
                              "the target-only sample, whatever drafts it) or rejection (the default without)."),

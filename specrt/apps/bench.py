@@ -64,22 +64,23 @@ def read_prompts(path, pair, limit: int | None = None) -> list[Prompt]:
     return prompts[:limit]
 
 
-def settings_grid(draft_lens: list, drafters: list[str], confidence_stops: list[float] = (0.0,)) -> list[tuple]:
-    """(drafter, draft_len, confidence_stop) settings; target-only (k = 0) once, whatever the drafter."""
-    grid = [("none", 0, 0.0)] * (0 in draft_lens)
+def settings_grid(draft_lens: list, drafters: list[str], confidence_stops: list[float] = (0.0,),
+                  trees: list[str] = ("auto",)) -> list[tuple]:
+    """(drafter, draft_len, confidence_stop, tree) settings; target-only (k = 0) once, whatever the drafter."""
+    grid = [("none", 0, 0.0, "off")] * (0 in draft_lens)
     for d in drafters:
         for k in draft_lens:
             if k:
-                grid += [(d, k, c) for c in (confidence_stops if d != "ngram" else (0.0,))]
+                grid += [(d, k, c, t) for c in (confidence_stops if d != "ngram" else (0.0,)) for t in trees]
     return grid
 
 
 def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int = MAX_NEW_TOKENS, repeats: int = 3,
               sampling: SamplingConfig = SamplingConfig(), seed: int = 0, drafters: list[str] = ("model",),
-              progress=None, confidence_stops: list[float] = (0.0,)) -> dict:
-    settings = settings_grid(draft_lens, drafters, confidence_stops)
+              progress=None, confidence_stops: list[float] = (0.0,), trees: list[str] = ("auto",)) -> dict:
+    settings = settings_grid(draft_lens, drafters, confidence_stops, trees)
     cfgs = {s: pair.config(max_new_tokens=max_new_tokens, draft_len=s[1], sampling=sampling, seed=seed,
-                           drafter=s[0] if s[1] else "model", confidence_stop=s[2]) for s in settings}
+                           drafter=s[0] if s[1] else "model", confidence_stop=s[2], tree=s[3]) for s in settings}
     for cfg in cfgs.values():  # warm-up (and up-front validation of every setting)
         pair.run(prompts[0].ids, cfg)
     runs = {s: [] for s in settings}  # setting -> list of (repeat, prompt, stats)
@@ -97,7 +98,8 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
             _repeat(pair, prompts, order, runs, histories, r, progress)
     finally:
         pair.state.history = own
-    rows = [{"drafter": s[0], "confidence_stop": s[2], **_summarize(s[1], runs[s], repeats)} for s in settings]
+    rows = [{"drafter": s[0], "confidence_stop": s[2], "tree": s[3], **_summarize(s[1], runs[s], repeats)}
+            for s in settings]
     base = next((row for row in rows if row["draft_len"] == 0), None)
     for row in rows:
         row["speedup"] = statistics.median(a / b for a, b in zip(row["rates"], base["rates"])) if base else None
@@ -107,7 +109,7 @@ def run_bench(pair, prompts: list[Prompt], draft_lens: list, max_new_tokens: int
     best = max(rows, key=lambda row: row["tokens_per_s"])
     return {
         "draft_lens": draft_lens, "drafters": list(drafters), "best_drafter": best["drafter"],
-        "best_draft_len": best["draft_len"], "best_confidence_stop": best["confidence_stop"],
+        "best_draft_len": best["draft_len"], "best_confidence_stop": best["confidence_stop"], "best_tree": best["tree"],
         "max_new_tokens": max_new_tokens, "repeats": repeats, "temperature": sampling.temperature,
         "prompts": len(prompts), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "rows": rows,
@@ -130,7 +132,8 @@ def _repeat(pair, prompts, order, runs, histories, r, progress) -> None:
                 progress()
 
 
-_RUN_KEYS = ("new_tokens", "wall_s", "ttft_s", "draft_len_hist", "rounds_skipped", "rounds_by_drafter",
+_RUN_KEYS = ("new_tokens", "wall_s", "ttft_s", "draft_len_hist", "rounds_skipped", "rounds_by_drafter", "tree_nodes",
+             "tree_rounds", "accepted_by_branch",
              "acceptance_estimate", "predicted_speedup", "measured_speedup")
 
 
@@ -166,26 +169,29 @@ def _summarize(k, runs: list, repeats: int) -> dict:
         "tokens_per_target_pass": sum(s["new_tokens"] for s in stats) / sum(s["target_passes"] for s in stats),
         # per verify pass after the prompt's (what a round emits, as the cost model's break-even counts it)
         "tokens_per_round": sum(s["new_tokens"] - 1 for s in stats) / rounds if rounds else 0.0,
+        "tree_nodes": sum(s["proposed"] for s in stats) / rounds if rounds else 0.0,  # draft tokens verified per round
         "ttft_ms": statistics.median(s["ttft_s"] for s in stats) * 1000,
         "itl_ms": statistics.median(itl) * 1000 if itl else 0.0,
     }
 
 
 def format_table(res: dict) -> str:
-    head = f"{'drafter':>7} {'draft_len':>9} {'conf':>5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'ttft ms':>8} {'itl ms':>7}  per-position acceptance"
+    head = f"{'drafter':>7} {'draft_len':>9} {'conf':>5} {'tree':>4} {'nodes':>5} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'ttft ms':>8} {'itl ms':>7}  per-position acceptance"
     lines = [head]
     for r in res["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         pos = " ".join(f"{a:.2f}" for a in r["accepted_per_position"])
-        lines.append(f"{r['drafter']:>7} {str(r['draft_len']):>9} {r['confidence_stop']:>5.2f} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
+        lines.append(f"{r['drafter']:>7} {str(r['draft_len']):>9} {r['confidence_stop']:>5.2f} {r['tree']:>4} "
+                     f"{r['tree_nodes']:>5.2f} {r['tokens_per_s']:>8.2f} {sp:>8} {r['acceptance_rate']:>7.0%} "
                      f"{r['tokens_per_target_pass']:>8.2f} {r['ttft_ms']:>8.1f} {r['itl_ms']:>7.1f}  {pos}")
     classes = list(res["rows"][0]["tokens_per_s_by_class"])
     if len(classes) > 1 and res["rows"][0].get("speedup_by_class"):
         lines.append("speedup by prompt class: " + "; ".join(
-            f"{c}: " + " ".join(f"{r['drafter']}{r['draft_len']}={r['speedup_by_class'][c]:.2f}x" for r in res["rows"])
+            f"{c}: " + " ".join(f"{r['drafter']}{r['draft_len']}{'' if r['tree'] == 'off' else '+tree'}="
+                                f"{r['speedup_by_class'][c]:.2f}x" for r in res["rows"])
             for c in classes))
     lines.append(f"best: drafter {res['best_drafter']}, draft_len {res['best_draft_len']}, "
-                 f"confidence_stop {res['best_confidence_stop']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
+                 f"confidence_stop {res['best_confidence_stop']}, tree {res['best_tree']}   peak RSS {res['peak_rss_mb']:.0f} MB   "
                  f"({res['prompts']} prompts x {res['repeats']} repeats, {res['max_new_tokens']} new tokens, "
                  f"temperature {res['temperature']})")
     return "\n".join(lines)

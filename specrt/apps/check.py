@@ -27,11 +27,12 @@ MIN_EXPECTED = 5.0  # chi-square bins are merged until each expects at least thi
 
 
 def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: int | str, drafter: str | None = None,
-                     sampling: SamplingConfig | None = None, seed: int = 0) -> dict:
+                     sampling: SamplingConfig | None = None, seed: int = 0, tree: str = "auto") -> dict:
     """Run both decodes (greedy, or `sampling` with coupling and `seed`); at the first differing token
     report the target's logit margin there.
 
-    Returns {"equal", "index", "margin", "target_only", "speculative"}. `margin` is the target's
+    Returns {"equal", "index", "margin", "target_only", "speculative", "tree_rounds"} (rounds of the speculative
+    run that verified a tree: `tree` auto at draft_len auto, where the target takes trees). `margin` is the target's
     logit of the target-only token minus that of the speculative one, from a fresh pass over the
     common prefix (an EOS choice counts as the best EOS id's logit); sampled, the difference of the two
     tokens' coupled scores (log p + the position's Gumbel noise) in logit units (times the temperature),
@@ -44,12 +45,14 @@ def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: in
     drafter = drafter or ("model" if pair.draft is not None else "ngram")
     base = pair.run(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=0, sampling=sampling,
                                              seed=seed)).tokens
-    spec = pair.run(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len,
-                                             drafter=drafter, sampling=sampling, seed=seed)).tokens
+    res = pair.run(prompt, GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len,
+                                            drafter=drafter, sampling=sampling, seed=seed, tree=tree))
+    spec, trees = res.tokens, res.stats.get("tree_rounds", 0)
     n = min(len(base), len(spec))
     i = next((j for j in range(n) if base[j] != spec[j]), None)
     if i is None and len(base) == len(spec):
-        return {"equal": True, "index": None, "margin": None, "target_only": base, "speculative": spec}
+        return {"equal": True, "index": None, "margin": None, "target_only": base, "speculative": spec,
+                "tree_rounds": trees}
     if i is None:
         i = n  # one of them ended (EOS) where the other went on
     ids = prompt + base[:i]
@@ -71,7 +74,7 @@ def first_divergence(pair, prompt: list[int], max_new_tokens: int, draft_len: in
             with np.errstate(divide="ignore"):
                 score = np.log(p[pick]) - np.log(Coupled(seed).exponential(len(ids), pick))
             margin = float(sampling.temperature * (score[0] - score[1])) if p[pick[1]] > 0 else math.inf
-    return {"equal": False, "index": i, "margin": margin, "target_only": base, "speculative": spec}
+    return {"equal": False, "index": i, "margin": margin, "target_only": base, "speculative": spec, "tree_rounds": trees}
 
 
 def noise_threshold(entry: ModelEntry, kernel=None) -> tuple[float, str]:
@@ -241,8 +244,8 @@ def builtin_prompts(pair, limit: int | None = None) -> list:
     return [Prompt(str(i), pair.encode(p), "builtin") for i, p in enumerate(BUILTIN_PROMPTS, 1)][:limit]
 
 
-def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4, samples: int = 400,
-               on_event=None) -> dict:
+def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int | str = 4, samples: int = 400,
+               on_event=None, tree: str = "auto") -> dict:
     """Is `pair` lossless here: per prompt (apps/bench.Prompt), speculative vs target-only, greedy and sampled
     with coupling (SAMPLED, seed = the prompt's place) (`first_divergence`, `classify`); then, unless
     `samples` is 0, `second_token_test` on the first prompt.
@@ -257,7 +260,7 @@ def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4
     on_event = on_event or (lambda kind, data: None)
     # not a request's defaults: the check verifies the draft model's rounds when there is one, without early stops
     drafter = "model" if pair.draft is not None else "ngram"
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, drafter=drafter)
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, draft_len=draft_len, drafter=drafter, tree=tree)
     for p in prompts:  # every bad setting is reported before anything runs
         try:
             pair.check(p.ids, cfg)
@@ -265,21 +268,21 @@ def check_pair(pair, prompts: list, max_new_tokens: int = 48, draft_len: int = 4
             raise ConfigError(f"prompt {p.id}: {e}") from None
     kernel = getattr(pair.target, "kernel", None)
     threshold, why = noise_threshold(pair.manifest.target, kernel)
-    out = {"draft_len": draft_len, "drafter": drafter, "max_new_tokens": max_new_tokens, "threshold": threshold,
+    out = {"draft_len": draft_len, "drafter": drafter, "tree": tree, "max_new_tokens": max_new_tokens, "threshold": threshold,
            "numerics": why, "sampled_with": {"temperature": SAMPLED.temperature, "top_p": SAMPLED.top_p},
            "prompts": [], "sampling": None}
     on_event("start", out)
     for n, p in enumerate(prompts):
         rows = []
         for sampling in (None, SAMPLED):
-            d = first_divergence(pair, p.ids, max_new_tokens, draft_len, drafter, sampling, seed=n)
+            d = first_divergence(pair, p.ids, max_new_tokens, draft_len, drafter, sampling, seed=n, tree=tree)
             rows.append({"verdict": classify(d, pair.manifest.target, kernel), "index": d["index"],
-                         "margin": d["margin"], "tokens": len(d["target_only"])})
+                         "margin": d["margin"], "tokens": len(d["target_only"]), "tree_rounds": d["tree_rounds"]})
         row = {"id": p.id, **rows[0], "sampled": rows[1]}
         out["prompts"].append(row)
         on_event("prompt", row)
     if samples:
-        k = min(2, pair.manifest.max_draft_len)
+        k = min(2 if draft_len == "auto" else draft_len, 2, pair.manifest.max_draft_len)
         on_event("sampling", {"prompt": prompts[0].id, "samples": samples, "draft_len": k, "drafter": drafter})
         s = second_token_test(pair, prompts[0].ids, samples=samples, draft_len=k, drafter=drafter)
         out["sampling"] = {"prompt": prompts[0].id, **s}

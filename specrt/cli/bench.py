@@ -24,6 +24,8 @@ from specrt.config import MAX_NEW_TOKENS
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--drafters", default=None,
               help="Comma-separated drafters to compare: model, ngram, suffix, hybrid (default: the pair's default drafter).")
+@click.option("--trees", default="auto", show_default=True,
+              help="Comma-separated tree settings to compare: auto (a round may verify a tree of drafts), off (chains).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--batch-sizes", default=None, callback=batch_size_list,
               help="Comma-separated batch sizes: measure batched decoding's aggregate tokens/s instead "
@@ -33,13 +35,15 @@ from specrt.config import MAX_NEW_TOKENS
               help="Also measure this machine's pass costs and write DIR/index.html with plots (needs specrt[plots]).")
 @device_option
 @errors
-def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, limit,
-          batch_sizes, json_out, report_dir):
+def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, repeats, temperature, drafters, trees,
+          limit, batch_sizes, json_out, report_dir):
     """Measure tokens/s per draft length, speedup vs target-only, acceptance, TTFT, latency, RSS."""
     from specrt.config import SamplingConfig
     from specrt.errors import ConfigError
     from specrt.api import requests
-    from specrt.apps.bench import Prompt, format_batch_table, format_table, read_prompts, run_batch_bench, run_bench
+    from specrt.apps.bench import (Prompt, format_batch_table, format_table, read_prompts, run_batch_bench, run_bench,
+                                   settings_grid)
+    from specrt.config import TREES
 
     if bool(prompts) == (prompt_text is not None):
         raise ConfigError("give exactly one of --prompts FILE or --prompt TEXT")
@@ -47,6 +51,9 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
         folder = json_out.parent if str(json_out.parent) else Path(".")
         if json_out.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
             raise ConfigError(f"cannot write --json {json_out}: not a writable file path")
+    tree_list = [t.strip() for t in trees.split(",") if t.strip()]
+    if not tree_list or any(t not in TREES for t in tree_list):
+        raise ConfigError(f"--trees must be comma-separated values of {', '.join(TREES)}, got {trees!r}")
     if repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {repeats}")
     if report_dir is not None:
@@ -67,10 +74,10 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
                                       drafter=names[0], progress=lambda: bar.update(1))
             table = format_batch_table(res)
         else:
-            with click.progressbar(length=repeats * len(draft_lens) * len(plist) * len(names), label="bench",
-                                   file=sys.stderr) as bar:
+            with click.progressbar(length=repeats * len(plist) * len(settings_grid(draft_lens, names, (0.0,), tree_list)),
+                                   label="bench", file=sys.stderr) as bar:
                 res = run_bench(pair, plist, draft_lens, max_new_tokens, repeats, sampling, drafters=names,
-                                progress=lambda: bar.update(1))
+                                progress=lambda: bar.update(1), trees=tree_list)
             table = format_table(res)
         if report_dir is not None:
             from specrt.apps.tune import measure_costs

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from specrt.api import requests
-from specrt.config import DRAFTERS, SAMPLERS
+from specrt.config import DRAFTERS, SAMPLERS, TREES
 from specrt.errors import SpecrtError
 
 
@@ -121,7 +121,7 @@ def log(s: str) -> None:
 
 
 _CLICK_TYPES = {"int": int, "num": float, "str": str}
-_CHOICES = {"drafter": DRAFTERS, "sampling": SAMPLERS}
+_CHOICES = {"drafter": DRAFTERS, "sampling": SAMPLERS, "tree": TREES}
 
 
 def setting_options(front: str):

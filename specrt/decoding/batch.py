@@ -63,6 +63,7 @@ class Ragged:
         self.batch = engine.batch
         self.max_width = max_width  # widest pass: longer catch-ups go in chunks
         self.passes = 0
+        self.trees = False  # a batch's rows verify chains (trees: requests alone, decoding/tree.py)
         self.prompts = [PromptCache() for _ in range(engine.batch)]  # what each row's slots keep of its last prompt
 
     def count(self, r: int) -> int:
@@ -88,13 +89,18 @@ class Ragged:
             self.prompts[r].extend(self.e.row(r), seq)  # what decoding wrote, where that is exact
         self.e.set_length(r, 0)
 
-    def keep(self, r: int, n: int) -> None:
+    def keep(self, r: int, n: int, moved: list[tuple[int, int]] = ()) -> None:
         """Row r keeps the first n tokens of its sequence."""
+        if moved:
+            raise ValueError("a batch's rows verify chains: no slot moves")
         self.e.set_length(r, min(n, self.count(r)))
 
-    def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+    def forward(self, feeds: dict[int, list[int]], last: bool,
+                parents: dict[int, list[int]] | None = None) -> dict[int, np.ndarray]:
         """Append feeds[r] to row r (other rows sit out). Returns {r: logits [n, W]}: last=True, n = 1 (the
         row's last fed token); else every fed position."""
+        if parents:
+            raise ValueError("a batch's rows verify chains: no parent pointers")
         out = {}
         if last and any(len(t) > self.max_width for t in feeds.values()):
             # A proposer that is behind (its prompt, what lookup rounds emitted) reads it in the pass a lone

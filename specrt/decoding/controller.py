@@ -39,6 +39,9 @@ class PolicyConfig:
     # a constrained request drafts what its grammar forces, free (decoding/constraint.py): in place of the
     # policy's proposer when it forces at least `forced_first` tokens, or when the proposer would draft none
     forced_first: int = 2
+    # a tree round puts each branch family's best node in whatever it is expected to pay every this many
+    # rounds, so a family judged useless is measured again (decoding/tree.py)
+    tree_probe_every: int = 16
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -67,6 +67,8 @@ class Stats:
     accepted_by_drafter: dict[str, int] = field(default_factory=dict)  # draft tokens accepted, by proposer name
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # rounds per draft length actually used
     rounds_skipped: int = 0  # auto: rounds the guard ran without drafting
+    tree_rounds: int = 0  # rounds that verified a tree (more than their chain)
+    accepted_by_branch: dict[str, int] = field(default_factory=dict)  # draft tokens a tree's branches added, by family
     predicted_speedup: float = 0.0  # auto/fixed: E(tokens)/cost from the cost model, vs one target pass a token
     measured_speedup: float = 0.0  # tokens / (draft + verify time) vs the measured one-token target pass
     acceptance_estimate: dict[str, list[float]] = field(default_factory=dict)  # auto: per drafter, conditional acceptance per position at the end
@@ -90,13 +92,20 @@ class Stats:
         if r.planned:
             name = r.proposer.name
             self.rounds_by_drafter[name] = self.rounds_by_drafter.get(name, 0) + 1
-            self.accepted_by_drafter[name] = self.accepted_by_drafter.get(name, 0) + r.accepted
+            self.accepted_by_drafter[name] = self.accepted_by_drafter.get(name, 0) + r.accepted  # its chain's
         self.draft_len_hist[r.k] = self.draft_len_hist.get(r.k, 0) + 1
-        self.proposed += r.k
-        self.accepted += r.accepted
-        for i in range(r.k):
+        self.proposed += r.nodes
+        self.accepted += r.taken
+        depth = r.k
+        if r.tree is not None:
+            self.tree_rounds += 1
+            depth = r.tree.depth()
+            if r.taken > r.accepted:  # its walk left the chain by a branch
+                fam = r.tree.family[r.path[r.accepted] - r.tree.chain]
+                self.accepted_by_branch[fam] = self.accepted_by_branch.get(fam, 0) + r.taken - r.accepted
+        for i in range(depth):  # per depth: rounds whose proposal reached it, and whose accepted path did
             self.proposed_at[i] += 1
-            self.accepted_at[i] += i < r.accepted
+            self.accepted_at[i] += i < r.taken
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -104,6 +113,7 @@ class Stats:
         d["acceptance_rate"] = self.accepted / self.proposed if self.proposed else 0.0
         d["accepted_per_position"] = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
         d["proposed_per_position"] = list(self.proposed_at)
+        d["tree_nodes"] = self.proposed / self.rounds if self.rounds else 0.0  # draft tokens verified per round
         d["tokens_per_target_pass"] = self.new_tokens / self.target_passes if self.target_passes else 0.0
         d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
         decode_s = self.wall_s - self.ttft_s
@@ -139,15 +149,19 @@ class Rows(Protocol):
 
     batch: int
     passes: int  # passes run so far
+    trees: bool  # forward takes tokens with parent pointers
 
     def prefill(self, r: int, prompt: list[int], share_prefix: bool) -> tuple[np.ndarray, int]:
         """Row r := `prompt` (keeping what its slots kept of earlier prompts where that is exact, when
         `share_prefix`); returns (the last position's logits [W], the prompt tokens kept)."""
-    def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+    def forward(self, feeds: dict[int, list[int]], last: bool,
+                parents: dict[int, list[int]] | None = None) -> dict[int, np.ndarray]:
         """Append feeds[r] to row r (other rows sit out). Returns {r: logits [n, W]}: last=True, n = 1 (the
-        row's last fed token); else every fed position."""
-    def keep(self, r: int, n: int) -> None:
-        """Row r keeps the first n tokens of its sequence."""
+        row's last fed token); else every fed position. `parents[r]` (with `trees`): row r's tokens are a tree,
+        each following the one its parent names (-1: the row's sequence), written in the slots that follow."""
+    def keep(self, r: int, n: int, moved: list[tuple[int, int]] = ()) -> None:
+        """Row r keeps the first n tokens of its sequence, after each (src, dst) of `moved`: slot dst gets
+        what slot src holds."""
     def release(self, r: int, seq: list[int] | None = None) -> None:
         """Row r's request ended; `seq` (prompt + output, None: its prompt was never read) is what its slots
         hold, which a later prompt may keep where that is exact."""
@@ -162,19 +176,26 @@ class Single:
     def __init__(self, engine: Engine, prompt_cache: PromptCache | None = None):
         self.e, self.passes = engine, 0
         self.prompts, self.keeps = prompt_cache or PromptCache(), prompt_cache is not None
+        self.trees = bool(getattr(engine, "trees", False))
 
     def prefill(self, r: int, prompt: list[int], share_prefix: bool = True) -> tuple[np.ndarray, int]:
         if not share_prefix:
             self.prompts.forget()
         return self.prompts.read(self.e, prompt)
 
-    def forward(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+    def forward(self, feeds: dict[int, list[int]], last: bool,
+                parents: dict[int, list[int]] | None = None) -> dict[int, np.ndarray]:
         (r, t), = feeds.items()
         self.passes += 1
         at = np.array([len(t) - 1]) if last else np.arange(len(t))
+        if parents:
+            return {r: self.e.forward_ragged(np.array([t]), np.array([len(t)]), at, parents=np.array([parents[r]]))}
         return {r: self.e.forward(np.array([t]), at)[0]}  # [n, W]
 
-    def keep(self, r: int, n: int) -> None:
+    def keep(self, r: int, n: int, moved: list[tuple[int, int]] = ()) -> None:
+        if moved:
+            src, dst = zip(*moved)
+            self.e.move(0, src, dst)
         self.e.truncate(min(n, self.e.length))
 
     def release(self, r: int, seq: list[int] | None = None) -> None:
@@ -334,33 +355,49 @@ class Decoder:
         going = dict(active)
         for r in drafts:
             drafts[r] = drafts[r].cut(going[r].constraint.cut(drafts[r].tokens))
-        # 3. Verify every row's last token and drafts in one target pass.
+        # 3. Grow: where the target takes trees, a free row's policy may verify more than its chain: branches
+        #    other parts propose without a pass (decoding/tree.py).
+        trees = {}
+        if self.target.trees:
+            for r, row in active:
+                limit = min(row.policy.max_k, row.cfg.max_new_tokens - len(row.out) - 1)
+                if row.constraint is FREE and (tree := row.policy.grow(row.seq, drafts.get(r, NOTHING), limit)):
+                    trees[r] = tree
+        # 4. Verify every row's last token and its drafts (or tree) in one target pass.
         t1 = time.perf_counter()
-        feeds = {r: [row.seq[-1], *drafts.get(r, NOTHING).tokens] for r, row in active}
-        logits = self.target.forward(feeds, last=False)
+        feeds = {r: [row.seq[-1], *(trees[r] if r in trees else drafts.get(r, NOTHING)).tokens.tolist()] for r, row in active}
+        logits = self.target.forward(feeds, last=False, parents={r: t.feed_parents() for r, t in trees.items()})
         t2 = time.perf_counter()
         width = self.B * max(map(len, feeds.values()))  # what the pass computed: rows are right-padded
         self.totals.target_passes += 1
         self.totals.row_rounds += len(active)
         emitted = 0
         for r, row in active:
-            # 4. Accept a prefix of the row's drafts, and one more token from the target (from logits masked by
-            #    the row's constraint, as the drafts' were).
-            draft = drafts.get(r, NOTHING)
+            # 5. Accept a prefix of the row's drafts (a path of its tree), and one more token from the target (from
+            #    logits masked by the row's constraint, as the drafts' were).
+            draft, tree, L = drafts.get(r, NOTHING), trees.get(r), len(row.seq)
             lg = row.constraint.mask(logits[r][:, :self.vocab], draft.tokens)  # [k'+1, V]
-            n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, len(row.seq))
-            new = [*draft.tokens[:n].tolist(), t]
-            # 5. Commit: the verified slots stay; rejected ones go by moving the lengths back.
-            self.target.keep(r, len(row.seq) + n)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
-            row.policy.commit(len(row.seq) + n)
+            if tree is None:
+                n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, L)
+                path, on, moved = (), n, ()
+                new = [*draft.tokens[:n].tolist(), t]
+            else:
+                path, t = sampling.accept_tree(tree.tokens, tree.parents, draft.p_draft, lg, row.cfg.sampling, row.rng, L)
+                n, on = len(path), tree.on_chain(path)
+                new = [*tree.tokens[list(path)].tolist(), t]
+                moved = [(L + c, L + j) for j, c in enumerate(path) if c != j]  # node i sits in slot L + i
+            # 6. Commit: the verified slots stay (a tree's accepted path moved to follow the sequence); rejected
+            #    ones go by moving the lengths back. The proposers keep what the chain got right.
+            self.target.keep(r, L + n, moved)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
+            row.policy.commit(L + on)
             share = draft.passes / steps if steps else 1.0  # of the draft passes, those it took part in
-            done = Round(row.proposer, row.k, draft, n, new, lg, draft_s=(t1 - t0) * share, verify_s=t2 - t1,
-                         width=width)
+            done = Round(row.proposer, row.k, draft, on, new, lg, draft_s=(t1 - t0) * share, verify_s=t2 - t1,
+                         width=width, tree=tree, path=tuple(path))
             row.policy.observe(done)
             row.stats.count(done)
-            self.totals.proposed += len(draft.tokens)
+            self.totals.proposed += done.nodes
             self.totals.accepted += n
-            # 6. Emit, and end the request at EOS, a stop string, max_new_tokens or its cancel.
+            # 7. Emit, and end the request at EOS, a stop string, max_new_tokens or its cancel.
             before = len(row.out)
             self._emit(row, new)
             emitted += len(row.out) - before
@@ -392,8 +429,7 @@ class Decoder:
                     del steps[r]
                     done[r] = s.value
         for r, (seconds, tokens) in catchup.items():
-            p = done[r]
-            done[r] = Proposal(p.tokens, p.p_draft, p.passes, seconds, tokens)
+            done[r] = replace(done[r], catchup_s=seconds, catchup_tokens=tokens)
         return done, passes
 
     def _start(self, r: int, req: Request) -> _Row:

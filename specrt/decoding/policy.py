@@ -40,6 +40,7 @@ from specrt.config import needs_draft_model
 from specrt.decoding import sampling
 from specrt.decoding.constraint import Constraint
 from specrt.decoding.controller import Batch, Calibration, Controller, CostModel, PolicyConfig
+from specrt.decoding.tree import Grower, Tree
 from specrt.decoding.proposers import (Found, GrammarProposer, History, LookupProposer, ModelProposer, Proposal,
                                        Proposer, SuffixProposer)
 
@@ -54,6 +55,8 @@ class PolicyState:
     calibration: Calibration = field(default_factory=Calibration)
     # earlier requests' outputs, for the suffix proposer (None: every request starts from none)
     history: History | None = None
+    # per tree branch family, [tokens its nodes added, tokens they were expected to add] (decoding/tree.py)
+    tree: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,6 +72,16 @@ class Round:
     draft_s: float  # this row's share of the round's draft passes
     verify_s: float
     width: int = 0  # tokens the verify pass computed, every row's padding included (0: this row's k + 1)
+    tree: Tree | None = None  # what the pass verified when more than the proposal (its chain)
+    path: tuple[int, ...] = ()  # with a tree: the nodes its walk accepted (`accepted` counts the chain's only)
+
+    @property
+    def taken(self) -> int:  # draft tokens emitted
+        return len(self.path) if self.tree is not None else self.accepted
+
+    @property
+    def nodes(self) -> int:  # draft tokens verified
+        return len(self.tree) if self.tree is not None else self.k
 
     @property
     def k(self) -> int:  # drafts verified
@@ -82,6 +95,8 @@ class Policy(Protocol):
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit;
         `batch`: the round is a batch's, with other rows in it."""
+    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
+        """The tree the round verifies instead of `proposal` (at most `limit` nodes), None: the chain."""
     def commit(self, valid: int) -> None: ...
     def observe(self, r: Round) -> None: ...
     def finish(self, new_tokens: int) -> dict:
@@ -97,6 +112,9 @@ class _Base:
 
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         raise NotImplementedError
+
+    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
+        return None
 
     def start(self, prompt: list[int]) -> None:
         for p in self.proposers:
@@ -129,7 +147,8 @@ class _Base:
 class Fixed(_Base):
     """k drafts a round (fewer when the request ends sooner). With a lookup and a model proposer, the
     lookup's proposal when it is at least `min_len` long and continues a match of at least `min_match`
-    tokens (a 1-token match is right ~20% of the time, the model's first token ~80% on code)."""
+    tokens (a 1-token match is right ~20% of the time, the model's first token ~80% on code). Its rounds
+    verify chains: a pass has room for k drafts (api/requests.check), which the chain takes."""
 
     def __init__(self, k: int, proposers: Sequence[Proposer], state: PolicyState | None = None,
                  config: PolicyConfig = PolicyConfig()):
@@ -146,11 +165,15 @@ class Fixed(_Base):
 
 
 class Auto(_Base):
-    """draft_len="auto" (module docstring)."""
+    """draft_len="auto" (module docstring). `trees`: a round may verify a tree (decoding/tree.py): the model's
+    chain with its runner-ups and the lookup's continuation where it parts from the chain."""
 
     def __init__(self, proposers: Sequence[Proposer], max_k: int, state: PolicyState | None = None,
-                 config: PolicyConfig = PolicyConfig()):
+                 config: PolicyConfig = PolicyConfig(), trees: bool = False):
         super().__init__(proposers, max_k, state or PolicyState(), config)
+        self.grower = Grower(self.state.tree, config.tree_probe_every) if trees else None
+        if trees and self.model is not None:
+            self.model.runner_up = True
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
@@ -215,6 +238,20 @@ class Auto(_Base):
         self._plan = (src, auto, True, found)
         return src, k
 
+    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
+        src, auto, planned, found = self._plan
+        if self.grower is None or auto is None or src is None or src.free:
+            return None
+        k = len(proposal.tokens)
+        reach = [1.0]
+        for a in auto.accept[:k]:
+            reach.append(reach[-1] * a)
+        lookup = accept = None
+        if found is not None and len(found.tokens) and (la := self.controller(found.kind)) is not None:
+            lookup, accept = found.tokens, la.accept
+        return self.grower.grow(proposal, reach, lookup, accept or (), auto.expected_tokens(k), auto.cost(k),
+                                self.costs.target, limit)
+
     def _extra_s(self, p: Proposer, seq: list[int]) -> float:
         """What a round by `p` costs besides its passes: for a paid proposer that is behind, its catch-up pass;
         for a free one, leaving each caught-up paid proposer costs it a catch-up pass when it drafts again
@@ -241,6 +278,8 @@ class Auto(_Base):
             scored.observe(m if m == len(new) else min(len(shown), m + 1), m)
         if auto is not None and auto is not scored:
             auto.observe(r.k, r.accepted)
+        if r.tree is not None:
+            self.grower.observe(r.tree, r.path)
         calib, model = self.calib, self.model
         if calib is not None and ((r.k and src is model) or (r.k == 0 and calib.ready)) and model.kind in self.autos:
             # the target's confidence at the first position: learned against what a model draft got there;
@@ -290,6 +329,9 @@ class Forced:
                 return src, k
         return self.forced, n
 
+    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
+        return None  # a grammar's rows verify chains
+
     def commit(self, valid: int) -> None:
         self.policy.commit(valid)
 
@@ -302,11 +344,12 @@ class Forced:
 
 def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | None = None,
           model: Callable[..., ModelProposer] | None = None, ngram_max: int = 16,
-          config: PolicyConfig = PolicyConfig(), constraint: Constraint | None = None) -> Policy:
+          config: PolicyConfig = PolicyConfig(), constraint: Constraint | None = None, tree: bool = False) -> Policy:
     """The policy for a request: `drafter` "model" | "ngram" | "suffix" | "hybrid"; `model(skip=)`
     makes the model proposer (None: the pair has no draft model); `state.history` is what the suffix
     proposer searches besides the request (none: only the request, like prompt lookup); `constraint`: the
-    request's grammar, whose forced tokens it drafts too (`Forced`; draft_len 0 is the target alone: none)."""
+    request's grammar, whose forced tokens it drafts too (`Forced`; draft_len 0 is the target alone: none);
+    `tree`: an auto policy's rounds may verify trees (the target takes them, decoding/tree.py)."""
     if draft_len == 0:
         return Fixed(0, (), state, config)
     proposers: list[Proposer] = []
@@ -318,5 +361,6 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
         proposers.append(LookupProposer(ngram_max))
     if needs_draft_model(drafter):
         proposers.append(model(skip=config.skip if drafter == "hybrid" else None))
-    policy = Auto(proposers, max_k, state, config) if draft_len == "auto" else Fixed(int(draft_len), proposers, state, config)
+    policy = (Auto(proposers, max_k, state, config, tree and constraint is None) if draft_len == "auto"
+              else Fixed(int(draft_len), proposers, state, config))
     return Forced(policy, GrammarProposer(constraint), config.forced_first) if constraint is not None else policy

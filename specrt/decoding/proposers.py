@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -33,13 +33,19 @@ class Proposal:
     passes: int = 0  # draft model passes it took (a catch-up pass included)
     catchup_s: float = 0.0  # time of its first pass when that read > 2 tokens (catching up), else 0
     catchup_tokens: int = 0  # how many tokens that pass read
+    # a model draft's next choices (when asked for, for a tree): per position, the likeliest token other than
+    # the drafted one (-1: none), its draft probability, and the drafted token's
+    runner_up: np.ndarray | None = None  # [k'] int64
+    runner_up_p: np.ndarray | None = None  # [k']
+    top_p: np.ndarray | None = None  # [k']
 
     def cut(self, n: int) -> Proposal:
         """Its first n tokens (what a grammar allows of it)."""
         if n >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:n], None if self.p_draft is None else self.p_draft[:n], self.passes,
-                        self.catchup_s, self.catchup_tokens)
+        part = lambda a: None if a is None else a[:n]  # noqa: E731
+        return Proposal(self.tokens[:n], part(self.p_draft), self.passes, self.catchup_s, self.catchup_tokens,
+                        part(self.runner_up), part(self.runner_up_p), part(self.top_p))
 
 
 NOTHING = Proposal(np.empty(0, np.int64))
@@ -93,6 +99,28 @@ def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: 
     j = int(lg.argmax())
     top = 1.0 / np.exp(lg - lg[j]).sum() if want_top else 1.0
     return (j if ids is None else int(ids[j])), top
+
+
+def runner_up(p: np.ndarray, t: int) -> tuple[int, float, float]:
+    """(the likeliest token of distribution p [V] other than t, its probability, t's probability)."""
+    pt = float(p[t])
+    p[t] = -1.0
+    j = int(p.argmax())
+    p[t] = pt
+    return (j, float(p[j]), pt) if p[j] > 0 else (-1, 0.0, pt)
+
+
+def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int) -> tuple[int, float, float]:
+    """`runner_up` from draft logits rows [W] whose argmax is token t, without expanding them."""
+    lg = rows[:vocab] if ids is None else rows
+    j1 = int(lg.argmax())
+    z = np.exp(lg - lg[j1])
+    s = float(z.sum())
+    z[j1] = -1.0
+    j2 = int(z.argmax())
+    if z[j2] <= 0:
+        return -1, 0.0, 1.0 / s
+    return (j2 if ids is None else int(ids[j2])), float(z[j2]) / s, 1.0 / s
 
 
 class DraftMemory:
@@ -151,6 +179,7 @@ class ModelProposer:
                  window: int | None = None, kind: str = "model", skip: int | None = None):
         self.engine, self.vocab, self.ids, self.memory, self.window = engine, vocab, ids, memory, window
         self.kind, self.skip = kind, skip
+        self.runner_up = False  # its proposals carry each position's next choice (a tree's policy sets it)
         self.off = 0  # the position in the sequence of the token the first cache slot holds
         self.fresh = True  # not drafted yet in this request: its first pass reads the prompt (up to `window`)
 
@@ -203,7 +232,7 @@ class ModelProposer:
         self.fresh = False
         if self.memory is not None:  # the live sequence: its committed tokens from `off` on are what the slots hold
             self.memory.seq, self.memory.off = seq, self.off
-        d, p, passes = [], None if cfg.greedy else [], 0
+        d, p, passes, alt = [], None if cfg.greedy else [], 0, []
         for _ in range(k):
             rows = yield feed  # [W]
             passes += 1
@@ -220,10 +249,16 @@ class ModelProposer:
                 p.append(sampling.warp(expand_logits(rows, ids, self.vocab)[None], cfg)[0])  # [V]
                 t, top = sampling.sample(p[-1], rng, len(seq) + len(d)), p[-1].max()
             d.append(t)
+            if self.runner_up:  # from the logits in hand: no pass
+                alt.append(greedy_runner_up(rows, ids, self.vocab, t) if p is None else runner_up(p[-1], t))
             feed = [t]
             if top < confidence_stop:
                 break
-        return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes)
+        more = {}
+        if alt:
+            a = np.array(alt, np.float64).reshape(-1, 3)
+            more = dict(runner_up=a[:, 0].astype(np.int64), runner_up_p=a[:, 1], top_p=a[:, 2])
+        return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes, **more)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
                 confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Proposal:
@@ -237,7 +272,7 @@ class ModelProposer:
             try:
                 feed = steps.send(rows)
             except StopIteration as done:
-                return Proposal(done.value.tokens, done.value.p_draft, done.value.passes, *catchup)
+                return replace(done.value, catchup_s=catchup[0], catchup_tokens=catchup[1])
 
     def commit(self, valid: int) -> None:
         self.engine.truncate(min(self.engine.length, valid - self.off))

@@ -202,3 +202,53 @@ def accept_sample(draft_tokens: np.ndarray, p_draft: np.ndarray | None, p_target
     if residual.sum() <= 1e-12:
         residual = p_target[n]
     return n, draw(residual, u[k])
+
+
+def accept_tree(tokens: np.ndarray, parents: np.ndarray, p_draft: np.ndarray | None, target_logits: np.ndarray,
+                cfg: SamplingConfig, rng: np.random.Generator | Coupled, pos: int) -> tuple[list[int], int]:
+    """A round's test on a tree: tokens [m] with parents [m] (-1: the round's last emitted token, the root; a
+    parent comes before its children, siblings are distinct tokens), p_draft [c, V] or None for nodes 0..c-1 (a
+    sampled chain: node i the child of node i-1, drawn from p_draft[i]; every other node is a point mass),
+    target_logits [m+1, V] (row 0 the root's, row i+1 node i's) -> (the accepted path's nodes from the root
+    down, the next token).
+
+    Greedy follows the child equal to the target's argmax, coupled the child equal to the target's pick at that
+    depth's position: either way the path and the next token are what the target alone emits there. Rejection
+    tests a node's children in order, each against what is left of the target's distribution after the ones
+    before it failed (recursive rejection sampling): a sampled child is accepted with min(1, r/q) and leaves
+    max(r - q, 0); a point mass c is accepted with r(c) and leaves r without c. The token that ends the walk is
+    drawn from what is left, so every step emits an exact sample of the target's distribution."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(np.asarray(parents).tolist()):
+        children.setdefault(p, []).append(i)
+    coupled, c = isinstance(rng, Coupled), 0 if p_draft is None else len(p_draft)
+    node, path = -1, []
+    while True:
+        kids, row = children.get(node, []), target_logits[node + 1]
+        if cfg.greedy or coupled:
+            t = int(row.argmax()) if cfg.greedy else rng.pick(warp(row[None], cfg)[0], pos + len(path))
+            nxt = next((i for i in kids if tokens[i] == t), None)
+            if nxt is None:
+                return path, t
+        else:
+            r, nxt = warp(row[None], cfg)[0], None
+            for i in kids:
+                u, d = rng.random(), int(tokens[i])
+                if i < c:  # the sampled chain's child (node i - 1's or the root's): q = p_draft[i]
+                    q = p_draft[i]
+                    if q[d] > 0 and u * q[d] < r[d]:
+                        nxt = i
+                        break
+                    rest = np.maximum(r - q, 0.0)
+                else:
+                    if u < r[d]:
+                        nxt = i
+                        break
+                    rest = r.copy()
+                    rest[d] = 0.0
+                s = rest.sum()
+                r = rest / s if s > 1e-12 else r  # nothing left: the children could only take r's mass
+            if nxt is None:
+                return path, draw(r, rng.random())
+        path.append(nxt)
+        node = nxt

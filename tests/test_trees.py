@@ -1,0 +1,258 @@
+"""Trees of drafts (decoding/tree.py, sampling.accept_tree): the walk emits what the target alone emits
+(greedy, coupled) or an exact sample (rejection over siblings, chi-square), on trees of several shapes; a
+request whose rounds verify trees gives target-only's text; a tree is only what pays, or a probe; bad
+settings are refused in one line."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from specrt.config import GenerationConfig, SamplingConfig
+from specrt.decoding import sampling
+from specrt.decoding.controller import CostModel, PolicyConfig
+from specrt.decoding.decode import decode
+from specrt.decoding.policy import Auto, Fixed, PolicyState
+from specrt.decoding.proposers import LookupProposer, ModelProposer, Proposal
+from specrt.decoding.tree import Grower, Tree
+from specrt.errors import ConfigError
+
+from _helpers import (KERNELS_RUN, P_MIN, FakeEngine, FakeTreeEngine, FrozenCosts, chi2_pvalue, cli, fake_exact_joint,
+                      one_line_error, sequence_index)
+
+# parents of trees of several shapes: a chain, a root with three children, a chain with a sibling at each
+# depth, a branch leaving the chain's middle and going deeper than it
+SHAPES = [[-1, 0, 1, 2], [-1, -1, -1], [-1, 0, 1, -1, 0, 1], [-1, 0, 1, 1, 3, 4, -1]]
+
+
+def _tokens(parents, rng, V):
+    """Tokens for `parents`, siblings distinct."""
+    out = []
+    for i, p in enumerate(parents):
+        taken = {out[j] for j in range(i) if parents[j] == p}
+        out.append(int(rng.choice([t for t in range(V) if t not in taken])))
+    return np.array(out, np.int64)
+
+
+def _chain_to_leaf(parents, node):
+    """The nodes from the root down to `node`, then on through each node's first child to a leaf."""
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    while (kids := [i for i, p in enumerate(parents) if p == (path[-1] if path else -1)]):
+        path.append(kids[0])
+    return path
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_tree_walk_emits_what_the_chain_along_its_path_emits(shape, coupled):
+    """Whatever the tree, the walk's tokens are what verifying the chain through its last node emits: the
+    target's picks (greedy argmax, coupled noise) along that path and the pick after it."""
+    rng, V, parents = np.random.default_rng(3), 6, np.array(shape)
+    cfg = SamplingConfig(temperature=0.9, method="coupled") if coupled else SamplingConfig()
+    left_the_chain = 0
+    for seed in range(200):
+        tokens = _tokens(shape, rng, V)
+        logits = rng.normal(size=(len(shape) + 1, V)) * 2
+        # make the target agree with the tree often, so that walks go deep
+        for i, p in enumerate(shape):
+            logits[p + 1, tokens[i]] += rng.choice([0.0, 6.0])
+        noise = sampling.Coupled(seed)
+        path, t = sampling.accept_tree(tokens, parents, None, logits, cfg, noise, 40)
+        chain = _chain_to_leaf(shape, path[-1] if path else -1)
+        rows = logits[[0] + [c + 1 for c in chain]]
+        if coupled:
+            want = sampling.accept_coupled(tokens[chain], sampling.warp(rows, cfg), noise, 40)
+        else:
+            want = sampling.accept_greedy(tokens[chain], rows)
+        assert (len(path), t) == want and path == chain[:len(path)]
+        left_the_chain += any(c != j for j, c in enumerate(path))
+    assert left_the_chain > 0 or shape == SHAPES[0]  # the walk took branches, not only the first child
+
+
+def _sample_tree(kind, rng, V, q_root, q1):
+    """One round's tree: 'sampled' a 2-token chain drawn from the draft (q) with the draft's runner-up at each
+    depth as a point-mass sibling; 'points' point masses only, a root with three children, one with two."""
+    if kind == "points":
+        return np.array([1, 4, 0, 2, 5]), np.array([-1, -1, -1, 0, 0]), None
+    a = int(sampling.draw(q_root, rng.random()))
+    b = int(sampling.draw(q1[a], rng.random()))
+    alt0 = int(np.argmax(np.where(np.arange(V) == a, -1, q_root)))
+    alt1 = int(np.argmax(np.where(np.arange(V) == b, -1, q1[a])))
+    return np.array([a, b, alt0, alt1]), np.array([-1, 0, -1, 0]), np.stack([q_root, q1[a]])
+
+
+@pytest.mark.parametrize("kind", ["sampled", "points"])
+def test_rejection_over_siblings_emits_exact_samples(kind):
+    """Unseeded sampling on a tree (recursive rejection over siblings): the first token is distributed as the
+    target's root row, and the second, given a first token the tree holds, as that node's row."""
+    rng, V, N = np.random.default_rng(7), 6, 20000
+    p = rng.dirichlet(np.ones(V) * 0.7, size=V + 1)  # p[0]: the root's; p[1 + x]: after token x
+    q_root, q1 = rng.dirichlet(np.ones(V), size=1)[0], rng.dirichlet(np.ones(V), size=V)
+    cfg = SamplingConfig(temperature=1.0)
+    first, second = [], {x: [] for x in range(V)}
+    for _ in range(N):
+        tokens, parents, q = _sample_tree(kind, rng, V, q_root, q1)
+        # the target's logits per node: the root's row, then each node's by its token (a Markov target)
+        rows = np.log(np.stack([p[0]] + [p[1 + t] for t in tokens]))
+        path, t = sampling.accept_tree(tokens, parents, q, rows, cfg, rng, 0)
+        out = [int(tokens[i]) for i in path] + [t]
+        first.append(out[0])
+        if len(out) > 1:
+            second[out[0]].append(out[1])
+    assert chi2_pvalue(np.bincount(first, minlength=V), p[0]) > P_MIN
+    tested = 0
+    for x, ys in second.items():
+        if len(ys) > 300:
+            assert chi2_pvalue(np.bincount(ys, minlength=V), p[1 + x]) > P_MIN
+            tested += 1
+    assert tested >= 2
+
+
+def test_the_grower_adds_what_pays_and_probes_the_rest():
+    costs = CostModel(draft_s=0.01, target_s={1: 0.030, 2: 0.031, 3: 0.032, 4: 0.033, 5: 0.034, 6: 0.035, 7: 0.060})
+    chain = Proposal(np.array([5, 6, 7]), runner_up=np.array([8, 9, -1]), runner_up_p=np.array([0.4, 0.3, 0.0]),
+                     top_p=np.array([0.5, 0.6, 0.9]))
+    reach, E = [1.0, 0.7, 0.49, 0.34], 1 + 0.7 + 0.49 + 0.34
+    g = Grower({}, probe_every=0)
+    t = g.grow(chain, reach, None, (), E, 3 * 0.01 + 0.033, costs.target, limit=8)
+    # two runner-ups (the third has none); each adds a millisecond for 0.4 and 0.21 tokens
+    assert t.tokens.tolist() == [5, 6, 7, 8, 9] and t.parents.tolist() == [-1, 0, 1, -1, 0]
+    assert t.family == ("runner_up", "runner_up") and t.feed_parents() == [-1, 0, 1, 2, 0, 1]
+    # no room: the chain alone
+    assert g.grow(chain, reach, None, (), E, 0.063, costs.target, limit=3) is None
+    # a pass that costs double past width 5: the second runner-up does not pay
+    costs.target_s[6] = 0.066
+    assert len(g.grow(chain, reach, None, (), E, 0.063, costs.target, limit=8)) == 4
+    # a lookup's continuation parting from the chain at its second token: a branch under node 0
+    t = Grower({}, probe_every=0).grow(Proposal(np.array([5, 6])), [1.0, 0.9, 0.5], np.array([5, 3, 4]),
+                                       [0.9, 0.9, 0.9], 2.4, 0.05, lambda w: 0.03 + 0.001 * w, 8)
+    assert t.tokens.tolist() == [5, 6, 3, 4] and t.parents.tolist() == [-1, 0, 0, 2] and t.depth() == 3
+    # learned: a family whose nodes never hit is expected to add less, until a probe puts one in
+    g = Grower({}, probe_every=4)
+    for _ in range(80):
+        t = g.grow(chain, reach, None, (), E, 0.063, costs.target, limit=8)
+        if t is not None:
+            g.observe(t, [0, 1])  # the chain's first two tokens: nothing from the branches
+    assert g.scale("runner_up") < 0.1
+    rounds = [g.grow(chain, reach, None, (), E, 0.063, costs.target, limit=8) for _ in range(8)]
+    assert sum(r is not None for r in rounds) == 2 and all(len(r) == 4 for r in rounds if r is not None)
+
+
+def test_tree_on_chain_and_depth():
+    t = Tree(np.array([1, 2, 3, 4]), np.array([-1, 0, -1, 2]), 2, ("lookup", "lookup"), {})
+    assert t.on_chain([0, 1]) == 2 and t.on_chain([2, 3]) == 0 and t.on_chain([]) == 0 and t.depth() == 2
+
+
+def test_bad_tree_settings_are_refused():
+    with pytest.raises(ConfigError, match="tree must be one of auto, off"):
+        GenerationConfig(tree="yes")
+
+
+class _Drafting(Auto):
+    """Auto that always drafts 2 tokens with its model (every such round verifies a tree, its nodes probed
+    every round): what a tree round does, whatever auto would have chosen."""
+
+    def plan(self, seq, limit, left, batch=None):
+        super().plan(seq, limit, left, batch)
+        self._plan = (self.model, self.controller(self.model.kind), True, self._plan[3])
+        return self.model, min(2, limit)
+
+
+def _fake_policy(target, V, lookup=False, state=None, always=False):
+    state = state or PolicyState(costs=FrozenCosts(draft_s=0.3, target_s={1: 1.0, 9: 1.02}))
+    proposers = ([LookupProposer()] if lookup else []) + [ModelProposer(FakeTreeEngine(1, V, like=target), V)]
+    return (_Drafting if always else Auto)(proposers, 4, state, PolicyConfig(tree_probe_every=1), trees=True)
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(), SamplingConfig(temperature=1.0, method="coupled")])
+def test_rounds_verifying_trees_emit_target_only_tokens(cfg):
+    """Greedy and coupled through a fake target whose logits read every cached token: with trees (the draft's
+    runner-ups, the lookup's branches), the tokens are target-only's, and walks did leave the chain."""
+    V, branch_tokens, tree_rounds = 8, 0, 0
+    for seed in range(12):
+        prompt = [1, 2, 3, 4, 1, 2, 3][seed % 3:] + [seed % V]
+        g = GenerationConfig(max_new_tokens=24, draft_len="auto", seed=seed, sampling=cfg)
+        want, _, _ = decode(FakeEngine(seed, V), Fixed(0, []), prompt, dataclasses.replace(g, draft_len=0), V,
+                            frozenset())
+        target = FakeTreeEngine(seed, V)
+        got, _, st = decode(target, _fake_policy(target, V, lookup=seed % 2 == 1, always=seed >= 6), prompt, g, V,
+                            frozenset())
+        assert got == want
+        tree_rounds += st.tree_rounds
+        branch_tokens += sum(st.accepted_by_branch.values())
+    assert tree_rounds > 20 and branch_tokens > 0
+
+
+def test_rejection_sampled_trees_are_exact_samples():
+    """Unseeded sampling, every round a tree: the joint distribution of the first three tokens is the target's
+    (chi-square against the exact joint)."""
+    V, cfg, obs = 4, SamplingConfig(temperature=1.0), None
+    prompt = [1, 2, 3]
+    target = FakeTreeEngine(0, V)
+    obs = np.zeros(V ** 3)
+    left = 0
+    for seed in range(3000):
+        g = GenerationConfig(max_new_tokens=8, draft_len="auto", seed=seed, sampling=cfg)
+        target.truncate(0)
+        out, _, st = decode(target, _fake_policy(target, V, always=True), prompt, g, V, frozenset())
+        obs[sequence_index(out[:3], V)] += 1
+        left += sum(st.accepted_by_branch.values())
+    assert left > 100  # walks went through branches
+    p = chi2_pvalue(obs, fake_exact_joint(target, prompt, cfg, 3))
+    assert p > P_MIN, f"p={p:.2e}"
+
+
+@pytest.fixture
+def exact(int4_default_pair):
+    """The int4 pair whose every matmul and attention node is specrt's (rows exact whatever the pass)."""
+    if not KERNELS_RUN:
+        pytest.skip("specrt's kernels do not run here")
+    assert int4_default_pair.target.trees
+    return int4_default_pair
+
+
+@pytest.mark.parametrize("sampled", [None, SamplingConfig(temperature=0.8, top_p=0.95, method="coupled")])
+def test_real_kernels_trees_give_target_only_text(exact, sampled):
+    """Through specrt's attention and slot moves on a real (tiny) int4 pair: rounds that each verify a tree give
+    target-only's tokens, greedy and coupled."""
+    V, rng, s = exact.manifest.vocab_size, np.random.default_rng(11), sampled or SamplingConfig()
+    trees = 0
+    with exact.exclusive():
+        for n in range(3):
+            prompt = rng.integers(3, V, 12 + 5 * n).tolist()
+            g = GenerationConfig(max_new_tokens=30, draft_len="auto", sampling=s, seed=n)
+            exact.target.truncate(0)
+            want, _, _ = decode(exact.target, Fixed(0, []), prompt, dataclasses.replace(g, draft_len=0), V,
+                                frozenset(exact.manifest.eos_token_ids))
+            exact.target.truncate(0)
+            exact.draft.truncate(0)
+            policy = _Drafting([ModelProposer(exact.draft, V, exact.draft_ids)], exact.manifest.max_draft_len,
+                               PolicyState(), PolicyConfig(tree_probe_every=1), trees=True)
+            got, _, st = decode(exact.target, policy, prompt, g, V, frozenset(exact.manifest.eos_token_ids))
+            assert got == want
+            trees += st.tree_rounds
+        exact.forget_caches()
+    assert trees > 10
+
+
+def test_the_server_fields_and_clis_take_tree(exact, tmp_path):
+    cfg = exact.settings({"tree": "off"})
+    assert cfg.tree == "off" and exact.settings({}).tree == "auto"
+    with pytest.raises(ConfigError, match="tree must be"):
+        exact.settings({"tree": 1})
+    r = cli("generate", exact.dir, "--prompt", "hi", "--tree", "maybe")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    r = cli("bench", exact.dir, "--prompt", "hi", "--trees", "auto,sometimes")
+    assert "--trees must be comma-separated values of auto, off" in one_line_error(r)
+    out = tmp_path / "b.json"
+    r = cli("bench", exact.dir, "--prompt", "hi", "--draft-lens", "0,auto", "--trees", "off,auto", "--repeats", "1",
+            "--max-new-tokens", "8", "--json", out)
+    assert r.exit_code == 0, r.output
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["draft_len"], row["tree"]) for row in rows] == [(0, "off"), ("auto", "off"), ("auto", "auto")]
