@@ -18,7 +18,7 @@ from specrt.errors import ConfigError
 # a value of each kind that a pair takes, and one of the wrong kind
 GOOD = {"max_new_tokens": 6, "min_tokens": 2, "temperature": 0.5, "top_k": 3, "top_p": 0.5, "seed": 3,
         "stop": ["\n\n"], "draft_len": 2, "drafter": "ngram", "draft_window": 5, "confidence_stop": 0.25,
-        "ngram_max": 4, "sampling": "rejection", "json_schema": {"type": "object"}, "regex": "[a-z]+",
+        "ngram_max": 4, "tree": "off", "sampling": "rejection", "json_schema": {"type": "object"}, "regex": "[a-z]+",
         "grammar": 'start: "a"', "response_format": {"type": "json_object"}}
 BAD = {"int": "x", "num": "x", "str": 5, "stops": 5, "draft_len": "x", "schema": 5, "grammar": 5,
        "response_format": {"type": "x"}}
