@@ -79,7 +79,8 @@ class Meter:
                     # a verify follows two draft steps; a draft step follows a verify of k = 2
                     self.table[name] = self._measure(engine, other[name], [1, 1] if name == "target" else [3])
                     self.table["pattern"] = "drafting"
-                engine.forward = self._wrap(engine.forward, name)
+                # every pass goes through forward_ragged (forward calls it; a tree's verify calls it directly)
+                engine.forward_ragged = self._wrap(engine.forward_ragged, name)
         if table and not table.exists():
             table.write_text(json.dumps(self.table))
 
@@ -107,9 +108,9 @@ class Meter:
         return [statistics.median(runs[w]) for w in cls.WIDTHS]
 
     def _wrap(self, forward, name):
-        def logged(tokens, logit_positions, *a, **kw):
+        def logged(tokens, *a, **kw):
             self.log.append((name, tokens.shape[1]))
-            return forward(tokens, logit_positions, *a, **kw)
+            return forward(tokens, *a, **kw)
         return logged
 
     def price(self, name: str, width: int) -> float:

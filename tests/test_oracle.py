@@ -41,6 +41,23 @@ def test_the_cheapest_rounds_by_hand():
     assert oracle.cheapest(OUT, None, lookups, TARGET, 0.1, 8) == pytest.approx(1.9)
 
 
+def test_the_tree_bound_by_hand():
+    no_lookups = [[] for _ in OUT]
+    # the chain right for 3, then its runner-up right where it fails: a round of 4 drafts (the fourth's pass
+    # gives the runner-up) verifying 5 nodes emits 5 (3 + the runner-up + the bonus), then 4 plain passes
+    three, second = OUT[:4] + [0] * 6, [1] * 4 + [OUT[4]] + [1] * 5
+    chain = oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8)
+    tree = oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8, second)
+    assert tree == pytest.approx(min(chain, (0.4 + 1.6) + 4 * 1.1)) and tree < chain
+    # a lookup right for 6 from where the chain fails at 1: one tree of the chain's 1 and its 5 others
+    lookups = [[] for _ in OUT]
+    lookups[1] = [OUT[1:7]]
+    one = OUT[:2] + [0] * 8
+    assert oracle.cheapest(OUT, one, lookups, TARGET, 0.1, 8, [0] * 10) <= 0.1 + TARGET[7] + 2 * 1.1 + 1e-9
+    # never worse than chains: the trees only add options
+    assert oracle.cheapest(OUT, three, lookups, TARGET, 0.1, 8, second) <= oracle.cheapest(OUT, three, lookups, TARGET, 0.1, 8)
+
+
 def test_the_bound_runs_on_a_pair(tmp_path, int4_default_dir):
     """On a tiny pair: it runs end to end, and the bound is above plain decoding and every fixed draft
     length it prints (the dynamic program has each of their schedules among its choices)."""
@@ -49,11 +66,11 @@ def test_the_bound_runs_on_a_pair(tmp_path, int4_default_dir):
         [("code", "def add(a, b):"), ("chat", "Say hello twice."), ("code", "def add(a, b):")])) + "\n")
     out = tmp_path / "o.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "policy" / "oracle.py"), str(int4_default_dir), "--prompts",
-                        str(prompts), "--max-new-tokens", "24", "--past", "16", "--repeats", "2", "--json", str(out)],
+                        str(prompts), "--max-new-tokens", "24", "--past", "16", "--repeats", "2", "--trees", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
     assert set(d["summary"]) == {"code", "chat", "all"} and len(d["prompts"]) == 3
     for s in d["summary"].values():
-        assert s["ratio"] >= 1.0 - 1e-9
+        assert s["ratio"] >= 1.0 - 1e-9 and s["tree_ratio"] >= s["ratio"] - 1e-9
         assert all(s["ratio"] >= r - 1e-9 for r in s["model_fixed_k"].values())

@@ -65,21 +65,24 @@ def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, 
     return {w: statistics.median(times[w]) for w in widths}, statistics.median(times["draft"])
 
 
-def model_tokens(pair, prompt: list[int], out: list[int]) -> tuple[list[int], float]:
-    """(the draft model's greedy token at every output position given the exact prefix [len(out)], the
-    seconds its prompt pass took)."""
-    from specrt.decoding.proposers import greedy_pick
+def model_tokens(pair, prompt: list[int], out: list[int]) -> tuple[list[int], list[int], float]:
+    """(the draft model's greedy token at every output position given the exact prefix [len(out)], its next
+    choice there (a tree's runner-up), the seconds its prompt pass took)."""
+    from specrt.decoding.proposers import greedy_pick, greedy_runner_up
 
     d, V, ids = pair.draft, pair.manifest.vocab_size, pair.draft_ids
     d.truncate(0)
     t0 = time.perf_counter()
     row = d.forward(np.array([prompt]), np.array([len(prompt) - 1]))[0, -1]
     prefill = time.perf_counter() - t0
-    picks = [greedy_pick(row, ids, V, False)[0]]
-    for tok in out[:-1]:
-        picks.append(greedy_pick(d.forward(np.array([[tok]]), np.array([0]))[0, -1], ids, V, False)[0])
+    picks, seconds = [], []
+    for tok in [None, *out[:-1]]:
+        if tok is not None:
+            row = d.forward(np.array([[tok]]), np.array([0]))[0, -1]
+        picks.append(greedy_pick(row, ids, V, False)[0])
+        seconds.append(greedy_runner_up(row, ids, V, picks[-1])[0])
     d.truncate(0)
-    return picks, prefill
+    return picks, seconds, prefill
 
 
 def agree(proposal, out: list[int], i: int) -> int:
@@ -90,11 +93,14 @@ def agree(proposal, out: list[int], i: int) -> int:
 
 
 def cheapest(out: list[int], model: list[int] | None, lookups: list[list], target_s: dict[int, float], draft_s: float,
-             kmax: int) -> float:
+             kmax: int, second: list[int] | None = None) -> float:
     """Seconds of the cheapest sequence of rounds that emits out[1:] (out[0] comes with the prefill).
     `model[i]`: the draft model's token at i (None: no model rounds); `lookups[i]`: the lookup proposals
     at i (token lists). A model round's draft passes are charged one token each (a pass after a round that
-    accepted all reads two: left out, as a bound must)."""
+    accepted all reads two: left out, as a bound must). `second[i]`: the model's next choice at i: a model
+    round may then verify a tree of at most kmax nodes (decoding/tree.py's shapes): its chain of k, the
+    runner-up where the chain fails, and the first l tokens of one lookup proposal, which share with the chain
+    the tokens both got right (a longer common prefix, where both are wrong alike, is not counted)."""
     n = len(out)
     run = [0] * (n + 1)  # the model's drafts from i that match, in a row
     for i in range(n - 1, -1, -1):
@@ -105,6 +111,19 @@ def cheapest(out: list[int], model: list[int] | None, lookups: list[list], targe
         for k in range(1, kmax + 1 if model is not None else 1):
             a = min(run[i], k)
             options.append(k * draft_s + target_s[k + 1] + best[min(i + a + 1, n)])
+            if second is None:
+                continue
+            hit = a < k and i + a < n and second[i + a] == out[i + a]
+            if hit and k + 1 <= kmax:  # the runner-up where the chain fails
+                options.append(k * draft_s + target_s[k + 2] + best[min(i + a + 2, n)])
+            for prop in lookups[i]:
+                b = agree(prop, out, i)
+                for ln in range(1, len(prop) + 1):
+                    extra = ln - min(b, a, ln)
+                    for r in (0, 1) if hit else (0,):
+                        if extra and k + extra + r <= kmax:
+                            got = max(a + r, min(b, ln))
+                            options.append(k * draft_s + target_s[k + extra + r + 1] + best[min(i + got + 1, n)])
         for prop in lookups[i]:
             a = agree(prop, out, i)
             for k in range(1, min(len(prop), kmax) + 1):
@@ -135,6 +154,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--table", type=Path, help="the prices of bench/ab.py's table FILE instead of measuring them")
+    ap.add_argument("--trees", action="store_true",
+                    help="also the bound of model rounds verifying trees (`cheapest`'s `second`): the oracle's column "
+                         "with trees")
     ap.add_argument("--json")
     args = ap.parse_args()
     import specrt
@@ -169,13 +191,14 @@ def main() -> None:
           f"{draft_s * 1e3:.1f} ms (c = {draft_s / target_s[1]:.3f})")
     history = History()
     share = PolicyConfig().suffix_share
-    totals = defaultdict(lambda: [0, 0.0, 0.0] + [0.0] * kmax)  # class -> tokens, target-only s, oracle s, model k s
+    # class -> tokens, target-only s, oracle s, tree oracle s, model k s
+    totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0] + [0.0] * kmax)
     rows = []
     for p in prompts:
         res = pair.run(p.ids, cfg)
         out = list(res.tokens) + ([pair.manifest.eos_token_ids[0]] if res.finish_reason == "eos" else [])
         pair.draft_memory.forget()
-        model, draft_prefill = model_tokens(pair, p.ids, out)
+        model, second, draft_prefill = model_tokens(pair, p.ids, out)
         lookup, suffix = LookupProposer(), SuffixProposer(history, min_share=share)
         lookup.start(p.ids), suffix.start(p.ids)
         seq = list(p.ids) + out
@@ -191,26 +214,30 @@ def main() -> None:
         plain = prefill + (len(out) - 1) * target_s[1]
         best = prefill + min(cheapest(out, None, lookups, target_s, draft_s, kmax),
                              draft_prefill + cheapest(out, model, lookups, target_s, draft_s, kmax))
+        tree = prefill + min(cheapest(out, None, lookups, target_s, draft_s, kmax),
+                             draft_prefill + cheapest(out, model, lookups, target_s, draft_s, kmax, second)) \
+            if args.trees else best
         n = len(res.tokens)
         ks = [prefill + draft_prefill + fixed(out, model, target_s, (draft_s, draft2_s), k) for k in range(1, kmax + 1)]
         for key in (p.kind, "all"):
             totals[key][0] += n
             totals[key][1] += plain
             totals[key][2] += best
+            totals[key][3] += tree
             for k in range(kmax):
-                totals[key][3 + k] += ks[k]
+                totals[key][4 + k] += ks[k]
         right = float(np.mean([m == o for m, o in zip(model[1:], out[1:])])) if len(out) > 1 else 0.0
         rows.append({"prompt": p.id, "class": p.kind, "tokens": n, "target_only_s": plain, "oracle_s": best,
-                     "model_agree": right})
-        print(f"{p.id:<18} {p.kind:<5} {n:4d} tokens  oracle {plain / best:.2f}x  (draft model right on "
+                     "tree_oracle_s": tree, "model_agree": right})
+        print(f"{p.id:<18} {p.kind:<5} {n:4d} tokens  oracle {plain / best:.2f}x  trees {plain / tree:.2f}x  (draft model right on "
               f"{rows[-1]['model_agree']:.0%} of positions)", flush=True)
-    print(f"class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  model drafts k = 1..{kmax} "
+    print(f"class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  with trees  model drafts k = 1..{kmax} "
           "every round")
     summary = {}
-    for key, (n, plain, best, *ks) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
+    for key, (n, plain, best, tree, *ks) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
         summary[key] = {"tokens": n, "target_only_tok_s": n / plain, "oracle_tok_s": n / best, "ratio": plain / best,
-                        "model_fixed_k": {k + 1: plain / t for k, t in enumerate(ks)}}
-        print(f"{key:<7} {n:6d} {n / plain:18.1f} {n / best:13.1f} {plain / best:21.2f}  "
+                        "tree_ratio": plain / tree, "model_fixed_k": {k + 1: plain / t for k, t in enumerate(ks)}}
+        print(f"{key:<7} {n:6d} {n / plain:18.1f} {n / best:13.1f} {plain / best:21.2f} {plain / tree:11.2f}  "
               + " ".join(f"{plain / t:.2f}" for t in ks))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary, "prompts": rows,
