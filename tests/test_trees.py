@@ -240,6 +240,8 @@ def test_real_kernels_trees_give_target_only_text(exact, sampled):
 
 
 def test_the_server_fields_and_clis_take_tree(exact, tmp_path):
+    r = cli("info", exact.dir)
+    assert r.exit_code == 0 and "trees: a round may verify a tree of drafts" in r.output
     cfg = exact.settings({"tree": "off"})
     assert cfg.tree == "off" and exact.settings({}).tree == "auto"
     with pytest.raises(ConfigError, match="tree must be"):

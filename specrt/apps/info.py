@@ -144,7 +144,7 @@ def _int4_kernel(path: Path, e) -> dict | None:
         return {"path": None, "swapped": 0, "total": None, "why": str(ex), "describe": f"refused: {ex}"}
     return {"path": k.path, "swapped": k.swapped, "total": k.total, "why": k.why, "attention": k.attention,
             "attention_total": k.attention_total, "attention_why": k.attention_why, "invariant": k.invariant,
-            "describe": k.describe()}
+            "trees": k.trees, "trees_why": k.trees_why, "describe": k.describe()}
 
 
 def _engines(m, ort_version) -> list[dict]:

@@ -88,13 +88,19 @@ def format_info(d: dict) -> str:
         lines.append(f"           graph {graph.get(e['graph'], e['graph'])}")
         if e.get("int4_kernel"):
             lines.append(f"           kernels on the CPU: {e['int4_kernel']['describe']}")
-            if role == "target" and e["int4_kernel"].get("invariant"):  # what exact rows buy (docs/kernel.md)
+            k = e["int4_kernel"]
+            if role == "target" and k.get("invariant"):  # what exact rows buy (docs/kernel.md)
                 lines.append("           rows exact: a token's logits are the same in any pass; a request keeps "
                              "every token it shares with the previous one")
-            elif role == "target" and e["int4_kernel"].get("total"):  # what is lost without them (docs/kernel.md)
+            elif role == "target" and k.get("total"):  # what is lost without them (docs/kernel.md)
                 lines.append("           specrt's kernels are off: wide passes (verify, batches, prompts) cost more "
                              "per row; rows are not exact, so greedy speculative equals target-only only up to "
                              "near-ties, and a request reuses a shared prompt prefix in whole chunks only")
+            if role == "target":  # what a round may verify here (decoding/tree.py)
+                lines.append("           trees: a round may verify a tree of drafts (--tree auto)" if k.get("trees") else
+                             f"           trees: no, rounds verify chains ({k.get('trees_why') or 'no tree input'})")
+        elif role == "target":
+            lines.append("           trees: no, rounds verify chains (only specrt's attention on the CPU takes trees)")
     mem = d["memory"]
     per = sum(mem["kv_bytes_per_token"].values())
     lines.append(f"memory:    about {fmt(mem['total'])} to load (estimate)")
