@@ -24,6 +24,7 @@ from specrt.decoding.constraint import FREE, Constraint, Free, MinTokens
 from specrt.decoding.policy import Batch, Policy, Round
 from specrt.decoding.prefix import PromptCache
 from specrt.decoding.proposers import NOTHING, History, Proposal
+from specrt.decoding.tree import Tree
 from specrt.engines.base import Engine
 from specrt.errors import ConfigError
 
@@ -260,6 +261,17 @@ class _Row:
         return self.req.cfg
 
 
+def _accept(row: _Row, draft: Proposal, tree: Tree | None, lg: np.ndarray) -> tuple[list[int], list[int], int]:
+    """A round's test (sampling.py) for a row that verified `draft` or `tree` with target logits `lg`: (the accepted
+    tree nodes, the tokens it emits: accepted drafts and the target's next, how many of them are the chain's)."""
+    cfg, pos = row.cfg.sampling, len(row.seq)
+    if tree is None:
+        n, t = sampling.accept(draft.tokens, draft.p_draft, lg, cfg, row.rng, pos)
+        return [], [*draft.tokens[:n].tolist(), t], n
+    path, t = sampling.accept_tree(tree.tokens, tree.parents, draft.p_draft, lg, cfg, row.rng, pos)
+    return path, [*tree.tokens[path].tolist(), t], tree.on_chain(path)
+
+
 class Decoder:
     """Decodes requests over the `target.batch` rows of `target` (and of the draft model's rows, made by
     `draft()` on first need: a target-only run allocates no draft cache). `policy(r, cfg, constraint)` builds
@@ -365,7 +377,8 @@ class Decoder:
                     trees[r] = tree
         # 4. Verify every row's last token and its drafts (or tree) in one target pass.
         t1 = time.perf_counter()
-        feeds = {r: [row.seq[-1], *(trees[r] if r in trees else drafts.get(r, NOTHING)).tokens.tolist()] for r, row in active}
+        feeds = {r: [row.seq[-1], *(trees[r] if r in trees else drafts.get(r, NOTHING)).tokens.tolist()]
+                 for r, row in active}
         logits = self.target.forward(feeds, last=False, parents={r: t.feed_parents() for r, t in trees.items()})
         t2 = time.perf_counter()
         width = self.B * max(map(len, feeds.values()))  # what the pass computed: rows are right-padded
@@ -377,15 +390,9 @@ class Decoder:
             #    logits masked by the row's constraint, as the drafts' were).
             draft, tree, L = drafts.get(r, NOTHING), trees.get(r), len(row.seq)
             lg = row.constraint.mask(logits[r][:, :self.vocab], draft.tokens)  # [k'+1, V]
-            if tree is None:
-                n, t = sampling.accept(draft.tokens, draft.p_draft, lg, row.cfg.sampling, row.rng, L)
-                path, on, moved = (), n, ()
-                new = [*draft.tokens[:n].tolist(), t]
-            else:
-                path, t = sampling.accept_tree(tree.tokens, tree.parents, draft.p_draft, lg, row.cfg.sampling, row.rng, L)
-                n, on = len(path), tree.on_chain(path)
-                new = [*tree.tokens[list(path)].tolist(), t]
-                moved = [(L + c, L + j) for j, c in enumerate(path) if c != j]  # node i sits in slot L + i
+            path, new, on = _accept(row, draft, tree, lg)
+            n = len(new) - 1
+            moved = [(L + c, L + j) for j, c in enumerate(path) if c != j]  # a tree's node i sits in slot L + i
             # 6. Commit: the verified slots stay (a tree's accepted path moved to follow the sequence); rejected
             #    ones go by moving the lengths back. The proposers keep what the chain got right.
             self.target.keep(r, L + n, moved)  # the target had seq[:-1]; it keeps seq[-1] and n drafts
