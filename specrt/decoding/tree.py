@@ -59,9 +59,10 @@ class Tree:
 
 @dataclass
 class Branch:
-    """A candidate node: its parent node (-1 the root), token, expected gain, family."""
+    """A candidate node: its parent node (-1 the root; None: the node its lookup's previous token became),
+    token, expected gain, family."""
 
-    parent: int
+    parent: int | None
     token: int
     gain: float
     family: str
@@ -106,7 +107,7 @@ class Grower:
                 for j in range(at, len(f)):
                     if j > at:
                         g *= lookup_accept[j] if j < len(lookup_accept) else 0.0
-                    cands.append((Branch(-2 if j > at else at - 1, f[j], g, "lookup"), j - at))
+                    cands.append((Branch(None if j > at else at - 1, f[j], g, "lookup"), j - at))
         if not cands:
             return None
         # best first; a lookup node needs its parent, which comes before it (its gain is no larger)
@@ -123,7 +124,7 @@ class Grower:
                 break
             if j > 0 and j != taken_lookup:  # its parent is not in
                 continue
-            parent = b.parent if j <= 0 else last_lookup
+            parent = last_lookup if b.parent is None else b.parent
             node = kids.get((parent, b.token))
             if node is None:  # a token the tree does not hold there yet: it widens the pass
                 c_next = width_cost(width + 1)
