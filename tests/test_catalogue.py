@@ -256,7 +256,7 @@ CLI = [
     ("check-tampered-draft", "check", ["{bad.tampered_draft}"], "sha256", {}),
     ("check-non-utf8-prompts", "check", ["{qwen}", "--prompts", "{file.nonutf8}"], "is not UTF-8", {}),
     ("check-empty-prompt-line", "check", ["{qwen}", "--prompts", "{file.emptyprompt}"], "the prompt is empty", {}),
-    ("check-draft-len-not-a-number", "check", ["{qwen}", "--draft-len", "auto"], "Invalid value for '--draft-len'",
+    ("check-draft-len-not-a-number", "check", ["{qwen}", "--draft-len", "many"], "Invalid value for '--draft-len'",
      {"usage": True}),
     ("check-swapped-graphs", "check", ["{bad.swapped}"], "does not match its manifest", {}),
     # ---- info

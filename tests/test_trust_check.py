@@ -122,7 +122,7 @@ def test_check_passes_on_a_good_pair(qwen_dir):
     r = run(check, qwen_dir, "--samples", 200)
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("speculative (drafter model, draft_len 4) vs target-only, 48 tokens, greedy and sampled "
+    assert lines[0].startswith("speculative (drafter model, draft_len 4, tree auto) vs target-only, 48 tokens, greedy and sampled "
                                "with coupling")
     assert [ln for ln in lines if ln.startswith("prompt ")] == [
         f"prompt {i}: greedy equal (48 tokens); sampled equal (48 tokens)" for i in range(1, 5)]
@@ -183,8 +183,8 @@ def test_check_compares_coupled_samples_exactly_and_reports_a_broken_verifier(qw
 def test_check_near_tie_is_numerical(qwen_dir, monkeypatch):
     real = chk.first_divergence
 
-    def near_tie(pair, ids, n, k, drafter=None, sampling=None, seed=0):
-        d = real(pair, ids, n, k, drafter, sampling, seed)
+    def near_tie(pair, ids, n, k, drafter=None, sampling=None, seed=0, tree="auto"):
+        d = real(pair, ids, n, k, drafter, sampling, seed, tree)
         return {**d, "equal": False, "index": 7, "margin": 0.004}
 
     monkeypatch.setattr(chk, "first_divergence", near_tie)
