@@ -114,8 +114,7 @@ def test_rejection_over_siblings_emits_exact_samples(kind):
 
 def test_the_grower_adds_what_pays_and_probes_the_rest():
     costs = CostModel(draft_s=0.01, target_s={1: 0.030, 2: 0.031, 3: 0.032, 4: 0.033, 5: 0.034, 6: 0.035, 7: 0.060})
-    chain = Proposal(np.array([5, 6, 7]), runner_up=np.array([8, 9, -1]), runner_up_p=np.array([0.4, 0.3, 0.0]),
-                     top_p=np.array([0.5, 0.6, 0.9]))
+    chain = Proposal(np.array([5, 6, 7]), runner_up=np.array([8, 9, -1]), runner_up_p=np.array([0.4, 0.3, 0.0]))
     reach, E = [1.0, 0.7, 0.49, 0.34], 1 + 0.7 + 0.49 + 0.34
     g = Grower({}, probe_every=0)
     t = g.grow(chain, reach, None, (), E, 3 * 0.01 + 0.033, costs.target, limit=8)

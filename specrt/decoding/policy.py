@@ -40,9 +40,9 @@ from specrt.config import needs_draft_model
 from specrt.decoding import sampling
 from specrt.decoding.constraint import Constraint
 from specrt.decoding.controller import Batch, Calibration, Controller, CostModel, PolicyConfig
-from specrt.decoding.tree import Grower, Tree
 from specrt.decoding.proposers import (Found, GrammarProposer, History, LookupProposer, ModelProposer, Proposal,
                                        Proposer, SuffixProposer)
+from specrt.decoding.tree import Grower, Tree
 
 
 @dataclass

@@ -34,10 +34,9 @@ class Proposal:
     catchup_s: float = 0.0  # time of its first pass when that read > 2 tokens (catching up), else 0
     catchup_tokens: int = 0  # how many tokens that pass read
     # a model draft's next choices (when asked for, for a tree): per position, the likeliest token other than
-    # the drafted one (-1: none), its draft probability, and the drafted token's
+    # the drafted one (-1: none) and its draft probability
     runner_up: np.ndarray | None = None  # [k'] int64
     runner_up_p: np.ndarray | None = None  # [k']
-    top_p: np.ndarray | None = None  # [k']
 
     def cut(self, n: int) -> Proposal:
         """Its first n tokens (what a grammar allows of it)."""
@@ -45,7 +44,7 @@ class Proposal:
             return self
         part = lambda a: None if a is None else a[:n]  # noqa: E731
         return Proposal(self.tokens[:n], part(self.p_draft), self.passes, self.catchup_s, self.catchup_tokens,
-                        part(self.runner_up), part(self.runner_up_p), part(self.top_p))
+                        part(self.runner_up), part(self.runner_up_p))
 
 
 NOTHING = Proposal(np.empty(0, np.int64))
@@ -101,16 +100,16 @@ def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: 
     return (j if ids is None else int(ids[j])), top
 
 
-def runner_up(p: np.ndarray, t: int) -> tuple[int, float, float]:
-    """(the likeliest token of distribution p [V] other than t, its probability, t's probability)."""
+def runner_up(p: np.ndarray, t: int) -> tuple[int, float]:
+    """(the likeliest token of distribution p [V] other than t, its probability)."""
     pt = float(p[t])
     p[t] = -1.0
     j = int(p.argmax())
     p[t] = pt
-    return (j, float(p[j]), pt) if p[j] > 0 else (-1, 0.0, pt)
+    return (j, float(p[j])) if p[j] > 0 else (-1, 0.0)
 
 
-def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int) -> tuple[int, float, float]:
+def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int) -> tuple[int, float]:
     """`runner_up` from draft logits rows [W] whose argmax is token t, without expanding them."""
     lg = rows[:vocab] if ids is None else rows
     j1 = int(lg.argmax())
@@ -119,8 +118,8 @@ def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: in
     z[j1] = -1.0
     j2 = int(z.argmax())
     if z[j2] <= 0:
-        return -1, 0.0, 1.0 / s
-    return (j2 if ids is None else int(ids[j2])), float(z[j2]) / s, 1.0 / s
+        return -1, 0.0
+    return (j2 if ids is None else int(ids[j2])), float(z[j2]) / s
 
 
 class DraftMemory:
@@ -256,8 +255,8 @@ class ModelProposer:
                 break
         more = {}
         if alt:
-            a = np.array(alt, np.float64).reshape(-1, 3)
-            more = dict(runner_up=a[:, 0].astype(np.int64), runner_up_p=a[:, 1], top_p=a[:, 2])
+            a = np.array(alt, np.float64).reshape(-1, 2)
+            more = dict(runner_up=a[:, 0].astype(np.int64), runner_up_p=a[:, 1])
         return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes, **more)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
