@@ -138,14 +138,89 @@ class FakeTreeEngine(FakeEngine):
         self.cache[list(dst)] = self.cache[list(src)]
 
 
-def fake_exact_joint(target: FakeEngine, prompt: list[int], cfg, n: int = 3) -> np.ndarray:
-    """Exact probability of every first-n-token sequence under `target` warped by `cfg`, flat [V**n]."""
+class FakeMatcher:
+    """A grammar for fake engines: llguidance's matcher interface over a rule on the last token (`rule(prev)`
+    is the set of tokens allowed after token `prev`; a token's bytes are its id, one byte)."""
+
+    def __init__(self, rule, V: int, last: int):
+        self.rule, self.V, self.seq = rule, V, [last]
+
+    def _ok(self, prev):
+        return self.rule(prev)
+
+    def consume_token(self, t):
+        if t not in self._ok(self.seq[-1]):
+            return False
+        self.seq.append(t)
+        return True
+
+    def rollback(self, n):
+        del self.seq[len(self.seq) - n:]
+        return True
+
+    def deep_copy(self):
+        m = FakeMatcher(self.rule, self.V, 0)
+        m.seq = list(self.seq)
+        return m
+
+    def validate_tokens(self, tokens):
+        prev, n = self.seq[-1], 0
+        for t in tokens:
+            if t not in self._ok(prev):
+                break
+            prev, n = t, n + 1
+        return n
+
+    def compute_bitmask(self):
+        bits = np.zeros(self.V + (-self.V) % 8, np.uint8)
+        bits[list(self._ok(self.seq[-1]))] = 1
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    def compute_ff_bytes(self):
+        out, prev = [], self.seq[-1]
+        while len(ok := self._ok(prev)) == 1 and len(out) < 4:
+            prev = next(iter(ok))
+            out.append(prev)
+        return bytes(out)
+
+    def is_stopped(self):
+        return False
+
+    def is_accepting(self):
+        return True
+
+    def is_error(self):
+        return False
+
+    def get_error(self):
+        return ""
+
+
+class ByteTokens:
+    @staticmethod
+    def tokenize_bytes(b):
+        return list(b)
+
+
+def rule(prev):
+    """After 0 only 1 may come, after 1 only 3 (0 forces 1, 3); else any token but the same again."""
+    return {1} if prev == 0 else {3} if prev == 1 else {t for t in range(5) if t != prev}
+
+
+def fake_exact_joint(target: FakeEngine, prompt: list[int], cfg, n: int = 3, allowed=None) -> np.ndarray:
+    """Exact probability of every first-n-token sequence under `target` warped by `cfg`, flat [V**n];
+    `allowed(prev)`: the tokens a grammar allows after token `prev` (the others masked before warping)."""
     from specrt.decoding.sampling import warp
 
     V = target.T.shape[0]
 
     def dist(seq):
-        return warp(target.logits_for(np.array(seq))[None].astype(np.float32), cfg)[0]
+        lg = target.logits_for(np.array(seq)).astype(np.float32)
+        if allowed is not None:
+            ok = np.zeros(V, bool)
+            ok[list(allowed(seq[-1]))] = True
+            lg = np.where(ok, lg, -np.inf)
+        return warp(lg[None], cfg)[0]
 
     probs = np.ones(1)
     seqs = [list(prompt)]

@@ -6,103 +6,17 @@ import json
 
 import numpy as np
 import pytest
-from _helpers import P_MIN, FakeEngine, chi2_pvalue, cli, one_line_error, sequence_index
+from _helpers import (P_MIN, ByteTokens, FakeEngine, FakeMatcher, chi2_pvalue, cli, fake_exact_joint, one_line_error, rule,
+                      sequence_index)
 
 from specrt.config import GenerationConfig, Grammar, SamplingConfig
 from specrt.decoding.constraint import Constraint
 from specrt.decoding.decode import decode
 from specrt.decoding.policy import Auto, Fixed, Forced, PolicyConfig
 from specrt.decoding.proposers import GrammarProposer, LookupProposer, ModelProposer
-from specrt.decoding.sampling import warp
 from specrt.errors import ConfigError
 
 # ------------------------------------------------------------------------------- the round, on fake engines
-
-
-class FakeMatcher:
-    """llguidance's matcher interface over a rule on the last token: `rule(prev)` is the set of tokens allowed
-    after token `prev` (a token's bytes are its id, one byte)."""
-
-    def __init__(self, rule, V: int, last: int):
-        self.rule, self.V, self.seq = rule, V, [last]
-
-    def _ok(self, prev):
-        return self.rule(prev)
-
-    def consume_token(self, t):
-        if t not in self._ok(self.seq[-1]):
-            return False
-        self.seq.append(t)
-        return True
-
-    def rollback(self, n):
-        del self.seq[len(self.seq) - n:]
-        return True
-
-    def deep_copy(self):
-        m = FakeMatcher(self.rule, self.V, 0)
-        m.seq = list(self.seq)
-        return m
-
-    def validate_tokens(self, tokens):
-        prev, n = self.seq[-1], 0
-        for t in tokens:
-            if t not in self._ok(prev):
-                break
-            prev, n = t, n + 1
-        return n
-
-    def compute_bitmask(self):
-        bits = np.zeros(self.V + (-self.V) % 8, np.uint8)
-        bits[list(self._ok(self.seq[-1]))] = 1
-        return np.packbits(bits, bitorder="little").tobytes()
-
-    def compute_ff_bytes(self):
-        out, prev = [], self.seq[-1]
-        while len(ok := self._ok(prev)) == 1 and len(out) < 4:
-            prev = next(iter(ok))
-            out.append(prev)
-        return bytes(out)
-
-    def is_stopped(self):
-        return False
-
-    def is_accepting(self):
-        return True
-
-    def is_error(self):
-        return False
-
-    def get_error(self):
-        return ""
-
-
-class ByteTokens:
-    @staticmethod
-    def tokenize_bytes(b):
-        return list(b)
-
-
-def rule(prev):
-    """After 0 only 1 may come, after 1 only 3 (0 forces 1, 3); else any token but the same again."""
-    return {1} if prev == 0 else {3} if prev == 1 else {t for t in range(5) if t != prev}
-
-
-def _exact(target, prompt, cfg, n=3, V=5):
-    """The exact law of the first n tokens of constrained sampling from `target` alone."""
-    probs, seqs = np.ones(1), [list(prompt)]
-    for _ in range(n):
-        nxt_p, nxt_s = [], []
-        for p, s in zip(probs, seqs):
-            lg = target.logits_for(np.array(s)).astype(np.float32)
-            allowed = np.zeros(V, bool)
-            allowed[list(rule(s[-1]))] = True
-            lg = np.where(allowed, lg, -np.inf)
-            d = warp(lg[None], cfg)[0]
-            nxt_p.append(p * d)
-            nxt_s += [s + [v] for v in range(V)]
-        probs, seqs = np.concatenate(nxt_p), nxt_s
-    return probs
 
 
 def _fake_run(target, draft, prompt, g, k, V=5, auto=False, forced=True):
@@ -120,7 +34,7 @@ def test_constrained_speculation_is_lossless_on_fake_engines(method, auto):
     cfg = SamplingConfig(1.0, method=method)
     target = FakeEngine(0, V)
     draft = FakeEngine(1, V, like=target)
-    exact = _exact(target, prompt, cfg)
+    exact = fake_exact_joint(target, prompt, cfg, 3, rule)
     obs = np.zeros_like(exact)
     forced = acc = prop = 0
     for seed in range(4000):

@@ -9,17 +9,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from specrt.config import GenerationConfig, SamplingConfig
+from specrt.config import GenerationConfig, Grammar, SamplingConfig
 from specrt.decoding import sampling
+from specrt.decoding.constraint import Constraint
 from specrt.decoding.controller import CostModel, PolicyConfig
 from specrt.decoding.decode import decode
-from specrt.decoding.policy import Auto, Fixed, PolicyState
-from specrt.decoding.proposers import LookupProposer, ModelProposer, Proposal
+from specrt.decoding.policy import Auto, Fixed, Forced, PolicyState
+from specrt.decoding.proposers import GrammarProposer, LookupProposer, ModelProposer, Proposal
 from specrt.decoding.tree import Grower, Tree
 from specrt.errors import ConfigError
 
-from _helpers import (KERNELS_RUN, P_MIN, FakeEngine, FakeTreeEngine, FrozenCosts, chi2_pvalue, cli, fake_exact_joint,
-                      one_line_error, sequence_index)
+from _helpers import (KERNELS_RUN, P_MIN, ByteTokens, FakeEngine, FakeMatcher, FakeTreeEngine, FrozenCosts, chi2_pvalue,
+                      cli, fake_exact_joint, one_line_error, rule, sequence_index)
 
 # parents of trees of several shapes: a chain, a root with three children, a chain with a sibling at each
 # depth, a branch leaving the chain's middle and going deeper than it
@@ -205,6 +206,83 @@ def test_rejection_sampled_trees_are_exact_samples():
     assert p > P_MIN, f"p={p:.2e}"
 
 
+def _constrained(target, V, prompt, always=True):
+    """A tree policy under the fake grammar (`rule`), its forced tokens drafted as a constrained request's are,
+    and the constraint."""
+    c = Constraint(FakeMatcher(rule, V, prompt[-1]), ByteTokens, V)
+    return Forced(_fake_policy(target, V, always=always), GrammarProposer(c), PolicyConfig().forced_first), c
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(), SamplingConfig(temperature=1.0, method="coupled")])
+@pytest.mark.parametrize("kind", ["grammar", "min_tokens"])
+def test_constrained_rounds_verifying_trees_emit_the_constrained_target_only_tokens(cfg, kind):
+    """Under a grammar (each tree node masked after the tokens down to it, branches it refuses not grown) and under
+    min_tokens (no end before it, at every depth): greedy and coupled give the constrained target-only tokens,
+    and walks did leave the chain."""
+    V, END, tree_rounds, branch_tokens = 5, 4, 0, 0
+    for seed in range(12):
+        prompt = [int(x) for x in np.random.default_rng(seed).integers(0, V, size=3)]
+        g = GenerationConfig(max_new_tokens=20, draft_len="auto", seed=seed, sampling=cfg)
+        if kind == "grammar":
+            g = dataclasses.replace(g, grammar=Grammar("regex", "fake"))
+        else:
+            g = dataclasses.replace(g, min_tokens=12)
+        eos = frozenset({END} if kind == "min_tokens" else ())
+        want, _, _ = decode(FakeEngine(seed, V, max_len=80), Fixed(0, []), prompt, dataclasses.replace(g, draft_len=0),
+                            V, eos, constraint=Constraint(FakeMatcher(rule, V, prompt[-1]), ByteTokens, V))
+        target = FakeTreeEngine(seed, V, max_len=80)
+        if kind == "grammar":
+            policy, c = _constrained(target, V, prompt, always=seed % 2 == 0)
+        else:
+            policy, c = _fake_policy(target, V, lookup=seed % 2 == 1, always=seed >= 6), None
+        got, _, st = decode(target, policy, prompt, g, V, eos, constraint=c)
+        assert got == want
+        if kind == "grammar":
+            assert all(b in rule(a) for a, b in zip(prompt[-1:] + got, got))
+        else:
+            assert END not in got[:12]
+        tree_rounds += st.tree_rounds
+        branch_tokens += sum(st.accepted_by_branch.values())
+    assert tree_rounds > 20 and branch_tokens > 0
+
+
+def test_rejection_sampled_trees_under_a_grammar_are_exact_samples():
+    """Unseeded sampling under the fake grammar, every round a tree: the first three tokens are distributed as
+    constrained sampling from the target alone (chi-square), and no output breaks the grammar."""
+    V, cfg, prompt = 5, SamplingConfig(temperature=1.0), [1, 2]
+    target = FakeTreeEngine(0, V)
+    obs, left = np.zeros(V ** 3), 0
+    for seed in range(3000):
+        g = GenerationConfig(max_new_tokens=8, draft_len="auto", seed=seed, sampling=cfg, grammar=Grammar("regex", "f"))
+        target.truncate(0)
+        policy, c = _constrained(target, V, prompt)
+        out, _, st = decode(target, policy, prompt, g, V, frozenset(), constraint=c)
+        assert all(b in rule(a) for a, b in zip(prompt[-1:] + out, out))
+        obs[sequence_index(out[:3], V)] += 1
+        left += sum(st.accepted_by_branch.values())
+    assert left > 100
+    exact = fake_exact_joint(target, prompt, cfg, 3, rule)
+    assert (obs[exact == 0] == 0).all()
+    p = chi2_pvalue(obs[exact > 0], exact[exact > 0])
+    assert p > P_MIN, f"p={p:.2e}"
+
+
+def test_a_branch_the_grammar_refuses_is_not_grown():
+    """The grower asks the constraint of each branch's path: a runner-up or lookup token the grammar forbids
+    there, or one after which it allows nothing, stays out (the chain's own tokens were cut before)."""
+    chain = Proposal(np.array([2, 4]), runner_up=np.array([3, 1]), runner_up_p=np.array([0.4, 0.3]))
+    c = Constraint(FakeMatcher(rule, 5, 4), ByteTokens, 5)  # the sequence ends in 4: anything but 4 next
+    grow = Grower({}, probe_every=0).grow
+    args = (chain, [1.0, 0.5, 0.25], np.array([2, 4, 4]), [0.9, 0.9, 0.9], 1.75, 0.05, lambda w: 0.03 + 0.0001 * w, 8)
+    free = grow(*args)
+    assert free.tokens.tolist() == [2, 4, 3, 4, 1] and free.parents.tolist() == [-1, 0, -1, 1, 0]
+    # the runner-up 3 fits, and 1 after 2 (3 must follow it); the lookup's 4 after 4 is refused
+    t = grow(*args, fits=c.fits)
+    assert t.tokens.tolist() == [2, 4, 3, 1] and t.parents.tolist() == [-1, 0, -1, 0]
+    assert t.prefixes() == [(), (2,), (2, 4), (3,), (2, 1)]
+    assert Constraint(FakeMatcher(lambda prev: {1} if prev == 3 else set(), 5, 2), ByteTokens, 5).fits([3]) is False
+
+
 @pytest.fixture
 def exact(int4_default_pair):
     """The int4 pair whose every matmul and attention node is specrt's (rows exact whatever the pass)."""
@@ -232,6 +310,33 @@ def test_real_kernels_trees_give_target_only_text(exact, sampled):
             policy = _Drafting([ModelProposer(exact.draft, V, exact.draft_ids)], exact.manifest.max_draft_len,
                                PolicyState(), PolicyConfig(tree_probe_every=1), trees=True)
             got, _, st = decode(exact.target, policy, prompt, g, V, frozenset(exact.manifest.eos_token_ids))
+            assert got == want
+            trees += st.tree_rounds
+        exact.forget_caches()
+    assert trees > 10
+
+
+@pytest.mark.parametrize("sampled", [None, SamplingConfig(temperature=0.9, method="coupled")])
+def test_real_kernels_constrained_trees_give_target_only_text(exact, sampled):
+    """Under a regular expression (llguidance's masks, per node) on the real (tiny) int4 pair, rounds that each
+    verify a tree give the constrained target-only tokens, greedy and coupled."""
+    V, rng, s = exact.manifest.vocab_size, np.random.default_rng(5), sampled or SamplingConfig()
+    grammar, eos = Grammar("regex", r"(yes|no): [a-z]{2,12}( [a-z]{2,12}){0,4}\."), frozenset(exact.manifest.eos_token_ids)
+    trees = 0
+    with exact.exclusive():
+        for n in range(3):
+            prompt = rng.integers(3, V, 10 + 4 * n).tolist()
+            g = GenerationConfig(max_new_tokens=40, draft_len="auto", sampling=s, seed=n, grammar=grammar)
+            exact.target.truncate(0)
+            want, _, _ = decode(exact.target, Fixed(0, []), prompt, dataclasses.replace(g, draft_len=0), V, eos,
+                                constraint=exact.grammars.start(grammar))
+            exact.target.truncate(0)
+            exact.draft.truncate(0)
+            c = exact.grammars.start(grammar)
+            policy = Forced(_Drafting([ModelProposer(exact.draft, V, exact.draft_ids)], exact.manifest.max_draft_len,
+                                      PolicyState(), PolicyConfig(tree_probe_every=1), trees=True),
+                            GrammarProposer(c), PolicyConfig().forced_first)
+            got, _, st = decode(exact.target, policy, prompt, g, V, eos, constraint=c)
             assert got == want
             trees += st.tree_rounds
         exact.forget_caches()

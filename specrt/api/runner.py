@@ -65,8 +65,8 @@ class Runner:
             memory = None if self.batched else p.draft_memory
             return model_drafter(engine, p.manifest.vocab_size, p.draft_ids, memory, cfg.draft_window, p.device)(skip)
 
-        # trees where the target takes them: a request alone, free text (a grammar's or min_tokens' masks are per chain)
-        tree = cfg.tree == "auto" and self.decoder.target.trees and not cfg.min_tokens
+        # trees where the target takes them (a request alone: a batch's rows verify chains)
+        tree = cfg.tree == "auto" and self.decoder.target.trees
         return build(cfg.draft_len, cfg.drafter, p.manifest.max_draft_len, state or self.state,
                      model if p.draft is not None else None, cfg.ngram_max, p.policy_config, constraint, tree)
 

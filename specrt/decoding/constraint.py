@@ -11,7 +11,8 @@ proposed at no draft cost (`forced`), and accepted with the target's probability
 
 A `Constraint` holds the matcher of the committed sequence (llguidance's `LLMatcher`, made by
 api/grammars.py) and a copy that a round's drafts go into; the mask after each drafted prefix is computed
-once a round, and drafting and verification share it.
+once a round, and drafting and verification share it. A tree of drafts (decoding/tree.py) is masked the same
+way, each node's position after the tokens down to it; a branch the grammar refuses (`fits`) is not grown.
 """
 from __future__ import annotations
 
@@ -125,11 +126,15 @@ class Constraint:
         ids = ids[:limit]
         return ids[:self.valid(ids)]
 
-    def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
-        """logits [k+1, V] of the positions after the committed sequence + drafted[:i], masked (a copy)."""
+    def fits(self, drafted: Sequence[int]) -> bool:
+        return fits(self, drafted)
+
+    def mask(self, logits: np.ndarray, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+        """logits [n, V] of the positions after the committed sequence + prefixes[i] (a chain's drafts[:i], or
+        the tokens down to a tree's node), masked (a copy)."""
         out = logits.copy()
-        for i in range(len(out)):
-            a = self.allowed(drafted[:i])
+        for i, drafted in enumerate(prefixes):
+            a = self.allowed(drafted)
             out[i, ~a[:out.shape[1]]] = -np.inf
         return out
 
@@ -150,6 +155,17 @@ class Constraint:
         return "", ""
 
 
+def fits(c: Constraint | MinTokens, drafted: Sequence[int]) -> bool:
+    """Whether `drafted` (a tree's path down to a node) may be verified under constraint `c`: its last token is
+    allowed after the ones before it, and some token is allowed after it (a dead end would leave the target no
+    token to pick there), as `cut` asks of a chain."""
+    a = c.allowed(drafted[:-1])
+    if a is not None and not a[int(drafted[-1])]:
+        return False
+    b = c.allowed(drafted)
+    return b is None or bool(b.any())
+
+
 class Free:
     """A request without a grammar: allows every token; the round asks it what it asks a Constraint."""
 
@@ -159,7 +175,10 @@ class Free:
     def cut(self, tokens: Sequence[int]) -> int:
         return len(tokens)
 
-    def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
+    def fits(self, drafted: Sequence[int]) -> bool:
+        return True
+
+    def mask(self, logits: np.ndarray, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
         return logits
 
     def commit(self, tokens: Sequence[int]) -> None:
@@ -200,9 +219,12 @@ class MinTokens:
         n = self.inner.cut(tokens)
         return next((i for i in range(n) if not self._open(i) and int(tokens[i]) in self.ends), n)
 
-    def mask(self, logits: np.ndarray, drafted: Sequence[int]) -> np.ndarray:
-        out = self.inner.mask(logits, drafted)
-        shut = [i for i in range(len(out)) if not self._open(i)]
+    def fits(self, drafted: Sequence[int]) -> bool:
+        return fits(self, drafted)
+
+    def mask(self, logits: np.ndarray, prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+        out = self.inner.mask(logits, prefixes)
+        shut = [i for i, drafted in enumerate(prefixes) if not self._open(len(drafted))]
         if shut:
             out = out.copy() if out is logits else out
             out[np.ix_(shut, self.eos)] = -np.inf

@@ -367,13 +367,13 @@ class Decoder:
         going = dict(active)
         for r in drafts:
             drafts[r] = drafts[r].cut(going[r].constraint.cut(drafts[r].tokens))
-        # 3. Grow: where the target takes trees, a free row's policy may verify more than its chain: branches
-        #    other parts propose without a pass (decoding/tree.py).
+        # 3. Grow: where the target takes trees, a row's policy may verify more than its chain: branches other
+        #    parts propose without a pass (decoding/tree.py), each a path the row's constraint allows.
         trees = {}
         if self.target.trees:
             for r, row in active:
                 limit = min(row.policy.max_k, row.cfg.max_new_tokens - len(row.out) - 1)
-                if row.constraint is FREE and (tree := row.policy.grow(row.seq, drafts.get(r, NOTHING), limit)):
+                if tree := row.policy.grow(row.seq, drafts.get(r, NOTHING), limit, row.constraint.fits):
                     trees[r] = tree
         # 4. Verify every row's last token and its drafts (or tree) in one target pass.
         t1 = time.perf_counter()
@@ -387,9 +387,10 @@ class Decoder:
         emitted = 0
         for r, row in active:
             # 5. Accept a prefix of the row's drafts (a path of its tree), and one more token from the target (from
-            #    logits masked by the row's constraint, as the drafts' were).
+            #    logits masked by the row's constraint after the drafts before each position, as the drafts' were).
             draft, tree, L = drafts.get(r, NOTHING), trees.get(r), len(row.seq)
-            lg = row.constraint.mask(logits[r][:, :self.vocab], draft.tokens)  # [k'+1, V]
+            prefixes = tree.prefixes() if tree is not None else [draft.tokens[:i] for i in range(len(draft.tokens) + 1)]
+            lg = row.constraint.mask(logits[r][:, :self.vocab], prefixes)  # [nodes + 1, V]
             path, new, on = _accept(row, draft, tree, lg)
             n = len(new) - 1
             moved = [(L + c, L + j) for j, c in enumerate(path) if c != j]  # a tree's node i sits in slot L + i
@@ -461,7 +462,7 @@ class Decoder:
         # The target reads the prompt (but what its row kept of an earlier one); the last position gives
         # the first token.
         logits, row.stats.prompt_cached = self.target.prefill(r, row.seq, self.share_prefix)
-        logits = constraint.mask(logits[None, :self.vocab], ())[0]
+        logits = constraint.mask(logits[None, :self.vocab], [()])[0]
         x = sampling.pick(logits[:self.vocab], cfg.sampling, row.rng, len(row.seq))
         row.read = True
         self.totals.prefills += 1

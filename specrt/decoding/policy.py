@@ -95,8 +95,9 @@ class Policy(Protocol):
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit;
         `batch`: the round is a batch's, with other rows in it."""
-    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
-        """The tree the round verifies instead of `proposal` (at most `limit` nodes), None: the chain."""
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
+        """The tree the round verifies instead of `proposal` (at most `limit` nodes, each path one the request's
+        constraint `fits`), None: the chain."""
     def commit(self, valid: int) -> None: ...
     def observe(self, r: Round) -> None: ...
     def finish(self, new_tokens: int) -> dict:
@@ -113,7 +114,7 @@ class _Base:
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         raise NotImplementedError
 
-    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
         return None
 
     def start(self, prompt: list[int]) -> None:
@@ -238,7 +239,7 @@ class Auto(_Base):
         self._plan = (src, auto, True, found)
         return src, k
 
-    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
         src, auto, planned, found = self._plan
         if self.grower is None or auto is None or src is None or src.free:
             return None
@@ -250,7 +251,7 @@ class Auto(_Base):
         if found is not None and len(found.tokens) and (la := self.controller(found.kind)) is not None:
             lookup, accept = found.tokens, la.accept
         return self.grower.grow(proposal, reach, lookup, accept or (), auto.expected_tokens(k), auto.cost(k),
-                                self.costs.target, limit)
+                                self.costs.target, limit, fits)
 
     def _extra_s(self, p: Proposer, seq: list[int]) -> float:
         """What a round by `p` costs besides its passes: for a paid proposer that is behind, its catch-up pass;
@@ -329,8 +330,8 @@ class Forced:
                 return src, k
         return self.forced, n
 
-    def grow(self, seq: list[int], proposal: Proposal, limit: int) -> Tree | None:
-        return None  # a grammar's rows verify chains
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
+        return None if self._forced else self.policy.grow(seq, proposal, limit, fits)
 
     def commit(self, valid: int) -> None:
         self.policy.commit(valid)
@@ -361,6 +362,6 @@ def build(draft_len: int | str, drafter: str, max_k: int, state: PolicyState | N
         proposers.append(LookupProposer(ngram_max))
     if needs_draft_model(drafter):
         proposers.append(model(skip=config.skip if drafter == "hybrid" else None))
-    policy = (Auto(proposers, max_k, state, config, tree and constraint is None) if draft_len == "auto"
+    policy = (Auto(proposers, max_k, state, config, tree) if draft_len == "auto"
               else Fixed(int(draft_len), proposers, state, config))
     return Forced(policy, GrammarProposer(constraint), config.forced_first) if constraint is not None else policy

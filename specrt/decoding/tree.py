@@ -52,9 +52,26 @@ class Tree:
         """How many of a path's leading nodes are the chain's."""
         return next((j for j, c in enumerate(path) if c != j), len(path))
 
+    def prefixes(self) -> list[tuple[int, ...]]:
+        """The drafted tokens before each of the pass's positions [root, *nodes]: () for the root, then the
+        tokens from the root down to each node."""
+        out: list[tuple[int, ...]] = [()]
+        for t, p in zip(self.tokens.tolist(), self.parents.tolist()):
+            out.append(out[p + 1] + (t,))
+        return out
+
     def feed_parents(self) -> list[int]:
         """The parents of the pass's tokens [root, *nodes], as indices among them."""
         return [-1, *(p + 1 if p >= 0 else 0 for p in self.parents.tolist())]
+
+
+def _path(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from the root down to `node` (-1: none)."""
+    out = []
+    while node >= 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]
 
 
 @dataclass
@@ -80,11 +97,13 @@ class Grower:
         return (got + PRIOR) / (expected + PRIOR)
 
     def grow(self, chain: Proposal, reach: Sequence[float], lookup: np.ndarray | None, lookup_accept: Sequence[float],
-             expected_tokens: float, cost: float, width_cost: Callable[[int], float | None], limit: int) -> Tree | None:
+             expected_tokens: float, cost: float, width_cost: Callable[[int], float | None], limit: int,
+             fits: Callable[[Sequence[int]], bool] | None = None) -> Tree | None:
         """The tree for a round whose proposer drafted `chain`: `reach[d]` the chance the chain's first d tokens
         are accepted (d = 0..k), `lookup` a lookup's continuation of the sequence (None: none) with its
         conditional acceptance per position, `expected_tokens` and `cost` (seconds) those of the round as a chain,
-        `width_cost(w)` a pass of w tokens' seconds, `limit` the most nodes. None: a chain is best."""
+        `width_cost(w)` a pass of w tokens' seconds, `limit` the most nodes, `fits(path)` whether a node whose
+        tokens from the root are `path` may be verified (the request's constraint). None: a chain is best."""
         self.rounds += 1
         k = len(chain.tokens)
         if k == 0 and lookup is None:
@@ -131,6 +150,8 @@ class Grower:
                 extra = c_next - c_now if c_next is not None and c_now is not None else None
                 pays = extra is not None and cost > 0 and b.gain * cost > expected_tokens * extra
                 if not (pays or probe and b.family not in probed):
+                    continue
+                if fits is not None and not fits(_path(tokens, parents, parent) + [b.token]):
                     continue
                 probed.add(b.family)
                 node = len(tokens)
