@@ -13,7 +13,7 @@ from specrt.config import GenerationConfig, Grammar, SamplingConfig
 from specrt.decoding import sampling
 from specrt.decoding.constraint import Constraint
 from specrt.decoding.controller import CostModel, PolicyConfig
-from specrt.decoding.decode import decode
+from specrt.decoding.decode import Request, decode
 from specrt.decoding.policy import Auto, Fixed, Forced, PolicyState
 from specrt.decoding.proposers import GrammarProposer, LookupProposer, ModelProposer, Proposal
 from specrt.decoding.tree import Grower, Tree
@@ -131,6 +131,11 @@ def test_the_grower_adds_what_pays_and_probes_the_rest():
     t = Grower({}, probe_every=0).grow(Proposal(np.array([5, 6])), [1.0, 0.9, 0.5], np.array([5, 3, 4]),
                                        [0.9, 0.9, 0.9], 2.4, 0.05, lambda w: 0.03 + 0.001 * w, 8)
     assert t.tokens.tolist() == [5, 6, 3, 4] and t.parents.tolist() == [-1, 0, 0, 2] and t.depth() == 3
+    # a batch's pass (3 rows, 5 wide so far): the node that fits within that width costs nothing and goes in; the
+    # next widens every row, and pays only against a slow enough batch
+    batch = lambda w: 0.02 * 3 * max(w, 5)  # noqa: E731
+    assert len(Grower({}, probe_every=0).grow(chain, reach, None, (), E, 0.063, batch, 8, rate=500.0)) == 4
+    assert len(Grower({}, probe_every=0).grow(chain, reach, None, (), E, 0.063, batch, 8, rate=2.0)) == 5
     # learned: a family whose nodes never hit is expected to add less, until a probe puts one in
     g = Grower({}, probe_every=4)
     for _ in range(80):
@@ -341,6 +346,33 @@ def test_real_kernels_constrained_trees_give_target_only_text(exact, sampled):
             trees += st.tree_rounds
         exact.forget_caches()
     assert trees > 10
+
+
+@pytest.mark.parametrize("sampled", [None, SamplingConfig(temperature=0.8, top_p=0.95, method="coupled")])
+def test_batch_rows_verifying_trees_give_target_only_text(exact, sampled):
+    """Rows of a batch (the ragged pass with parent pointers, slot moves within a row) whose rounds each verify a
+    tree: every row's tokens are its request's target-only tokens, greedy and coupled."""
+    V, rng, s = exact.manifest.vocab_size, np.random.default_rng(7), sampled or SamplingConfig()
+    prompts = [rng.integers(3, V, 8 + 3 * i).tolist() for i in range(5)]
+    cfgs = [GenerationConfig(max_new_tokens=24 + 4 * i, draft_len="auto", sampling=s, seed=i) for i in range(5)]
+    with exact.runner(3) as runner:
+        assert runner.decoder.target.trees
+
+        def policy(r, cfg, constraint):
+            return _Drafting([ModelProposer(runner.decoder.draft.e.row(r), V, exact.draft_ids)],
+                             exact.manifest.max_draft_len, PolicyState(), PolicyConfig(tree_probe_every=1), trees=True)
+
+        runner.decoder.policy_for = policy
+        got = dict(runner.run(Request(i, p, c) for i, (p, c) in enumerate(zip(prompts, cfgs))))
+    with exact.exclusive():
+        for i, (p, c) in enumerate(zip(prompts, cfgs)):
+            exact.target.truncate(0)
+            want, _, _ = decode(exact.target, Fixed(0, []), p, dataclasses.replace(c, draft_len=0), V,
+                                frozenset(exact.manifest.eos_token_ids))
+            assert got[i].tokens == want, i
+        exact.forget_caches()
+    assert sum(r.stats["tree_rounds"] for r in got.values()) > 10
+    assert sum(sum(r.stats["accepted_by_branch"].values()) for r in got.values()) > 0
 
 
 def test_the_server_fields_and_clis_take_tree(exact, tmp_path):

@@ -65,7 +65,7 @@ class Runner:
             memory = None if self.batched else p.draft_memory
             return model_drafter(engine, p.manifest.vocab_size, p.draft_ids, memory, cfg.draft_window, p.device)(skip)
 
-        # trees where the target takes them (a request alone: a batch's rows verify chains)
+        # trees where the target's pass takes them, alone or in a batch
         tree = cfg.tree == "auto" and self.decoder.target.trees
         return build(cfg.draft_len, cfg.drafter, p.manifest.max_draft_len, state or self.state,
                      model if p.draft is not None else None, cfg.ngram_max, p.policy_config, constraint, tree)

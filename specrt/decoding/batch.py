@@ -16,7 +16,8 @@ already-loaded onnxruntime session (the weights are not loaded twice), with its 
 `[B, Hkv, C, D]`, C = max_len + max_draft_len + 1. The lean graph gives every row its own length: a
 pass appends each row's tokens at that row's length (right-padded to the widest row; the padding is
 never written), and a row that rejects drafts simply gets a shorter length. The caches are never
-copied or compacted; the C - max_len spare slots are room for a padded pass at a full row.
+compacted (a row that verified a tree moves its accepted path's few slots to follow its sequence, as a
+request alone does); the C - max_len spare slots are room for a padded pass at a full row.
 
 *Refill.* A new request's prompt is prefilled by batch-1 passes over its own row of the batch caches
 (`LeanEngine.row`): the passes a lone run makes, with the same inputs, so its first token is the lone
@@ -63,7 +64,7 @@ class Ragged:
         self.batch = engine.batch
         self.max_width = max_width  # widest pass: longer catch-ups go in chunks
         self.passes = 0
-        self.trees = False  # a batch's rows verify chains (trees: requests alone, decoding/tree.py)
+        self.trees = bool(getattr(engine, "trees", False))  # its pass takes parent pointers (decoding/tree.py)
         self.prompts = [PromptCache() for _ in range(engine.batch)]  # what each row's slots keep of its last prompt
 
     def count(self, r: int) -> int:
@@ -90,17 +91,18 @@ class Ragged:
         self.e.set_length(r, 0)
 
     def keep(self, r: int, n: int, moved: list[tuple[int, int]] = ()) -> None:
-        """Row r keeps the first n tokens of its sequence."""
+        """Row r keeps the first n tokens of its sequence, after each (src, dst) of `moved`: slot dst gets
+        what slot src holds (a tree's accepted path)."""
         if moved:
-            raise ValueError("a batch's rows verify chains: no slot moves")
+            src, dst = zip(*moved)
+            self.e.move(r, src, dst)
         self.e.set_length(r, min(n, self.count(r)))
 
     def forward(self, feeds: dict[int, list[int]], last: bool,
                 parents: dict[int, list[int]] | None = None) -> dict[int, np.ndarray]:
         """Append feeds[r] to row r (other rows sit out). Returns {r: logits [n, W]}: last=True, n = 1 (the
-        row's last fed token); else every fed position."""
-        if parents:
-            raise ValueError("a batch's rows verify chains: no parent pointers")
+        row's last fed token); else every fed position. `parents[r]` (with `trees`): row r's tokens are a tree
+        (decode.Rows.forward); the other rows' each follow the one before."""
         out = {}
         if last and any(len(t) > self.max_width for t in feeds.values()):
             # A proposer that is behind (its prompt, what lookup rounds emitted) reads it in the pass a lone
@@ -112,9 +114,10 @@ class Ragged:
                 self.passes += 1
             if not feeds:
                 return out
-        return {**out, **self._call(feeds, last)}
+        return {**out, **self._call(feeds, last, parents)}
 
-    def _call(self, feeds: dict[int, list[int]], last: bool) -> dict[int, np.ndarray]:
+    def _call(self, feeds: dict[int, list[int]], last: bool,
+              parents: dict[int, list[int]] | None = None) -> dict[int, np.ndarray]:
         e = self.e
         S = max(len(t) for t in feeds.values())
         if S > self.max_width:
@@ -126,8 +129,13 @@ class Ragged:
             n = len(feeds[r])
             tokens[r, :n], counts[r] = feeds[r], n
             index.extend([r * S + n - 1] if last else range(r * S, r * S + n))
+        tree = None
+        if parents:
+            tree = np.broadcast_to(np.arange(-1, S - 1), (e.batch, S)).copy()  # rows without a tree: chains
+            for r, p in parents.items():
+                tree[r, :len(p)] = p
         self.passes += 1
-        logits = e.forward_ragged(tokens, counts, np.array(index, np.int64))  # [N, W]
+        logits = e.forward_ragged(tokens, counts, np.array(index, np.int64), parents=tree)  # [N, W]
         out, at = {}, 0
         for r in rows:
             n = 1 if last else len(feeds[r])

@@ -368,13 +368,15 @@ class Decoder:
         for r in drafts:
             drafts[r] = drafts[r].cut(going[r].constraint.cut(drafts[r].tokens))
         # 3. Grow: where the target takes trees, a row's policy may verify more than its chain: branches other
-        #    parts propose without a pass (decoding/tree.py), each a path the row's constraint allows.
-        trees = {}
+        #    parts propose without a pass (decoding/tree.py), each a path the row's constraint allows; in a batch,
+        #    against what widening the padded pass beyond the rows' drafts (and the trees before it) costs.
+        trees, widest = {}, 1 + max((len(d.tokens) for d in drafts.values()), default=0)
         if self.target.trees:
             for r, row in active:
                 limit = min(row.policy.max_k, row.cfg.max_new_tokens - len(row.out) - 1)
-                if tree := row.policy.grow(row.seq, drafts.get(r, NOTHING), limit, row.constraint.fits):
-                    trees[r] = tree
+                batch = Batch(self.B, widest, rate) if self.B > 1 and rate else None
+                if tree := row.policy.grow(row.seq, drafts.get(r, NOTHING), limit, row.constraint.fits, batch):
+                    trees[r], widest = tree, max(widest, 1 + len(tree))
         # 4. Verify every row's last token and its drafts (or tree) in one target pass.
         t1 = time.perf_counter()
         feeds = {r: [row.seq[-1], *(trees[r] if r in trees else drafts.get(r, NOTHING)).tokens.tolist()]

@@ -95,9 +95,10 @@ class Policy(Protocol):
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit;
         `batch`: the round is a batch's, with other rows in it."""
-    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
+             batch: Batch | None = None) -> Tree | None:
         """The tree the round verifies instead of `proposal` (at most `limit` nodes, each path one the request's
-        constraint `fits`), None: the chain."""
+        constraint `fits`), None: the chain; `batch`: the round is a batch's, its pass `batch.widest` wide so far."""
     def commit(self, valid: int) -> None: ...
     def observe(self, r: Round) -> None: ...
     def finish(self, new_tokens: int) -> dict:
@@ -114,7 +115,8 @@ class _Base:
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         raise NotImplementedError
 
-    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
+             batch: Batch | None = None) -> Tree | None:
         return None
 
     def start(self, prompt: list[int]) -> None:
@@ -239,7 +241,8 @@ class Auto(_Base):
         self._plan = (src, auto, True, found)
         return src, k
 
-    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
+             batch: Batch | None = None) -> Tree | None:
         src, auto, planned, found = self._plan
         if self.grower is None or auto is None or src is None or src.free:
             return None
@@ -250,8 +253,14 @@ class Auto(_Base):
         lookup = accept = None
         if found is not None and len(found.tokens) and (la := self.controller(found.kind)) is not None:
             lookup, accept = found.tokens, la.accept
+        if batch is None:
+            return self.grower.grow(proposal, reach, lookup, accept or (), auto.expected_tokens(k), auto.cost(k),
+                                    self.costs.target, limit, fits)
+        # a batch's pass computes rows x its widest row: a node costs only where it widens that, against the
+        # tokens the batch's seconds give
+        width = lambda w: self.costs.target(batch.rows * max(w, batch.widest))  # noqa: E731
         return self.grower.grow(proposal, reach, lookup, accept or (), auto.expected_tokens(k), auto.cost(k),
-                                self.costs.target, limit, fits)
+                                width, limit, fits, rate=batch.rate)
 
     def _extra_s(self, p: Proposer, seq: list[int]) -> float:
         """What a round by `p` costs besides its passes: for a paid proposer that is behind, its catch-up pass;
@@ -330,8 +339,9 @@ class Forced:
                 return src, k
         return self.forced, n
 
-    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool]) -> Tree | None:
-        return None if self._forced else self.policy.grow(seq, proposal, limit, fits)
+    def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
+             batch: Batch | None = None) -> Tree | None:
+        return None if self._forced else self.policy.grow(seq, proposal, limit, fits, batch)
 
     def commit(self, valid: int) -> None:
         self.policy.commit(valid)

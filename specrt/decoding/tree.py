@@ -98,12 +98,14 @@ class Grower:
 
     def grow(self, chain: Proposal, reach: Sequence[float], lookup: np.ndarray | None, lookup_accept: Sequence[float],
              expected_tokens: float, cost: float, width_cost: Callable[[int], float | None], limit: int,
-             fits: Callable[[Sequence[int]], bool] | None = None) -> Tree | None:
+             fits: Callable[[Sequence[int]], bool] | None = None, rate: float | None = None) -> Tree | None:
         """The tree for a round whose proposer drafted `chain`: `reach[d]` the chance the chain's first d tokens
         are accepted (d = 0..k), `lookup` a lookup's continuation of the sequence (None: none) with its
         conditional acceptance per position, `expected_tokens` and `cost` (seconds) those of the round as a chain,
         `width_cost(w)` a pass of w tokens' seconds, `limit` the most nodes, `fits(path)` whether a node whose
-        tokens from the root are `path` may be verified (the request's constraint). None: a chain is best."""
+        tokens from the root are `path` may be verified (the request's constraint); `rate`: a batch's tokens per
+        second, which a node's seconds take from every row (None: the round's own, expected tokens / cost). None:
+        a chain is best."""
         self.rounds += 1
         k = len(chain.tokens)
         if k == 0 and lookup is None:
@@ -148,7 +150,10 @@ class Grower:
             if node is None:  # a token the tree does not hold there yet: it widens the pass
                 c_next = width_cost(width + 1)
                 extra = c_next - c_now if c_next is not None and c_now is not None else None
-                pays = extra is not None and cost > 0 and b.gain * cost > expected_tokens * extra
+                if rate is None:
+                    pays = extra is not None and cost > 0 and b.gain * cost > expected_tokens * extra
+                else:
+                    pays = extra is not None and b.gain > rate * extra
                 if not (pays or probe and b.family not in probed):
                     continue
                 if fits is not None and not fits(_path(tokens, parents, parent) + [b.token]):
