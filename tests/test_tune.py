@@ -118,14 +118,26 @@ def test_bench_batch_sizes(qwen_dir, tmp_path):
                "0,3,auto", "--max-new-tokens", 8, "--repeats", 2, "--json", out)
     assert r.exit_code == 0, r.output
     table = r.stdout.splitlines()
-    assert table[0].split()[:3] == ["draft_len", "batch", "tok/s"] and len(table) == 2 + 9
+    assert table[0].split()[:4] == ["draft_len", "tree", "batch", "tok/s"] and len(table) == 2 + 9
     res = json.loads(out.read_text())
     assert [(row["draft_len"], row["batch_size"]) for row in res["rows"]] == [(k, b) for k in (0, 3, "auto")
                                                                               for b in (1, 2, 4)]
+    assert [row["tree"] for row in res["rows"]] == ["off"] * 3 + ["auto"] * 6
     assert all(row["tokens_per_s"] > 0 and row["tokens_per_target_pass"] > 0 for row in res["rows"])
     assert res["rows"][0]["speedup"] == 1.0 and res["rows"][0]["speculation_gain"] is None
     assert 0 < res["rows"][4]["acceptance_rate"] <= 1 and res["rows"][4]["speculation_gain"] > 0
     assert res["best_batch_size"] in (1, 2, 4) and "best: drafter model" in r.stdout
+
+
+def test_bench_batch_sizes_compare_trees(qwen_dir, tmp_path):
+    out = tmp_path / "b.json"
+    r = invoke("bench", qwen_dir, "--prompt", "def add(a, b):", "--batch-sizes", "1,2", "--draft-lens", "0,auto",
+               "--trees", "off,auto", "--max-new-tokens", 8, "--repeats", 1, "--json", out)
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["draft_len"], row["tree"], row["batch_size"]) for row in rows] == [
+        (0, "off", 1), (0, "off", 2), ("auto", "off", 1), ("auto", "off", 2), ("auto", "auto", 1), ("auto", "auto", 2)]
+    assert all(row["tree_nodes"] >= 0 for row in rows) and "tree" in r.stdout.splitlines()[0]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -199,32 +199,33 @@ def format_table(res: dict) -> str:
 
 def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_lens: list[int],
                     max_new_tokens: int = MAX_NEW_TOKENS, repeats: int = 1, sampling: SamplingConfig = SamplingConfig(),
-                    seed: int = 0, drafter: str = "model", progress=None) -> dict:
-    """Aggregate tokens/s per (draft length, batch size): the whole prompt list runs through one
+                    seed: int = 0, drafter: str = "model", progress=None, trees: list[str] = ("auto",)) -> dict:
+    """Aggregate tokens/s per (draft length, tree, batch size): the whole prompt list runs through one
     batch runner (slots are refilled as rows finish), rate = generated tokens / wall seconds of that
     run, prefills included. Settings are interleaved inside each repeat; medians over repeats;
     speedups against batch 1, draft length 0 of the same run. A draft length "auto" plans each round
-    against the batch's pass (decoding/policy.py)."""
-    settings = [(k, b) for k in draft_lens for b in batch_sizes]
-    cfgs = {k: pair.config(batched=True, max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed,
-                           drafter=drafter if k else "model", confidence_stop=0.0) for k in draft_lens}
+    (and grows each row's tree) against the batch's pass (decoding/policy.py)."""
+    settings = [(k, t, b) for k in draft_lens for t in (trees if k else ("off",)) for b in batch_sizes]
+    cfgs = {(k, t): pair.config(batched=True, max_new_tokens=max_new_tokens, draft_len=k, sampling=sampling, seed=seed,
+                                drafter=drafter if k else "model", confidence_stop=0.0, tree=t)
+            for k, t, _ in settings}
     decoders = {}
     try:
-        for k, b in settings:  # one decoder (KV caches) per batch size; warm-up and validation up front
+        for k, t, b in settings:  # one decoder (KV caches) per batch size; warm-up and validation up front
             if b not in decoders:
                 decoders[b] = pair.runner(b)
-            list(decoders[b].run([Request(0, prompts[0].ids, cfgs[k])]))
+            list(decoders[b].run([Request(0, prompts[0].ids, cfgs[(k, t)])]))
         runs = {s: [] for s in settings}
         for _ in range(repeats):
-            for k, b in settings:
+            for k, t, b in settings:
                 dec = decoders[b]
                 dec.reset_totals()
                 if pair.state.history is not None:  # each run drafts only from its own earlier outputs
                     pair.state.history.clear()
                 t0 = time.perf_counter()
-                results = dict(dec.run([Request(i, p.ids, cfgs[k]) for i, p in enumerate(prompts)]))
+                results = dict(dec.run([Request(i, p.ids, cfgs[(k, t)]) for i, p in enumerate(prompts)]))
                 wall = time.perf_counter() - t0
-                runs[(k, b)].append((sum(len(r.tokens) for r in results.values()), wall, dec.totals.as_dict(),
+                runs[(k, t, b)].append((sum(len(r.tokens) for r in results.values()), wall, dec.totals.as_dict(),
                                      [r.stats["wall_s"] for r in results.values()]))
                 if progress:
                     progress()
@@ -232,12 +233,14 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
         for dec in decoders.values():
             dec.close()
     rows = []
-    for (k, b), items in runs.items():
+    for (k, tree, b), items in runs.items():
         tokens = sum(t for t, _, _, _ in items)
         tot = [x for _, _, x, _ in items]
         passes = sum(x["target_passes"] for x in tot)
+        row_rounds = sum(x["row_rounds"] for x in tot)
         rows.append({
-            "draft_len": k, "batch_size": b,
+            "draft_len": k, "tree": tree, "batch_size": b,
+            "tree_nodes": sum(x["proposed"] for x in tot) / row_rounds if row_rounds else 0.0,  # drafts a row verified a round
             "tokens_per_s": statistics.median(t / w for t, w, _, _ in items),
             "acceptance_rate": statistics.mean(x["acceptance_rate"] for x in tot),
             "tokens_per_target_pass": tokens / passes if passes else 0.0,
@@ -251,21 +254,22 @@ def run_batch_bench(pair, prompts: list[Prompt], batch_sizes: list[int], draft_l
         r["speculation_gain"] = r["tokens_per_s"] / same_b["tokens_per_s"] if same_b and r["draft_len"] else None
     best = max(rows, key=lambda r: r["tokens_per_s"])
     return {"mode": "batch", "drafter": drafter, "batch_sizes": batch_sizes, "draft_lens": draft_lens, "rows": rows,
-            "best_batch_size": best["batch_size"], "best_draft_len": best["draft_len"],
+            "best_batch_size": best["batch_size"], "best_draft_len": best["draft_len"], "best_tree": best["tree"],
             "max_new_tokens": max_new_tokens, "repeats": repeats, "temperature": sampling.temperature,
             "prompts": len(prompts), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def format_batch_table(res: dict) -> str:
-    lines = [f"{'draft_len':>9} {'batch':>5} {'tok/s':>9} {'speedup':>8} {'spec gain':>9} {'accept':>7} "
-             f"{'tok/pass':>8} {'occupancy':>9} {'latency s':>9}"]
+    lines = [f"{'draft_len':>9} {'tree':>4} {'batch':>5} {'tok/s':>9} {'speedup':>8} {'spec gain':>9} {'accept':>7} "
+             f"{'nodes':>5} {'tok/pass':>8} {'occupancy':>9} {'latency s':>9}"]
     for r in res["rows"]:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         gain = f"{r['speculation_gain']:.2f}x" if r["speculation_gain"] is not None else "-"
-        lines.append(f"{r['draft_len']:>9} {r['batch_size']:>5} {r['tokens_per_s']:>9.1f} {sp:>8} {gain:>9} "
-                     f"{r['acceptance_rate']:>7.0%} {r['tokens_per_target_pass']:>8.2f} {r['occupancy']:>9.0%} "
-                     f"{r['mean_latency_s']:>9.2f}")
-    lines.append(f"best: drafter {res['drafter']}, draft_len {res['best_draft_len']}, batch size {res['best_batch_size']}   "
+        lines.append(f"{r['draft_len']:>9} {r['tree']:>4} {r['batch_size']:>5} {r['tokens_per_s']:>9.1f} {sp:>8} {gain:>9} "
+                     f"{r['acceptance_rate']:>7.0%} {r['tree_nodes']:>5.2f} {r['tokens_per_target_pass']:>8.2f} "
+                     f"{r['occupancy']:>9.0%} {r['mean_latency_s']:>9.2f}")
+    lines.append(f"best: drafter {res['drafter']}, draft_len {res['best_draft_len']}, tree {res['best_tree']}, "
+                 f"batch size {res['best_batch_size']}   "
                  f"peak RSS {res['peak_rss_mb']:.0f} MB   ({res['prompts']} prompts x {res['repeats']} repeats, "
                  f"{res['max_new_tokens']} new tokens, temperature {res['temperature']}; speedup vs batch 1 "
                  "target-only, spec gain vs target-only at the same batch size)")

@@ -307,10 +307,11 @@ def _prompts(points: dict):
 def _batch(batch: dict):
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for k in batch["draft_lens"]:
-        rows = sorted((r for r in batch["rows"] if r["draft_len"] == k), key=lambda r: r["batch_size"])
+    for k, tree in dict.fromkeys((r["draft_len"], r.get("tree", "off")) for r in batch["rows"]):
+        rows = sorted((r for r in batch["rows"] if (r["draft_len"], r.get("tree", "off")) == (k, tree)),
+                      key=lambda r: r["batch_size"])
         ax.plot([r["batch_size"] for r in rows], [r["tokens_per_s"] for r in rows], "o-",
-                label="target only" if k == 0 else f"{batch['drafter']} {k}")
+                label="target only" if k == 0 else f"{batch['drafter']} {k}" + (", trees" if tree == "auto" else ""))
         for r in rows:
             if r["speedup"] is not None:
                 ax.annotate(f"{r['speedup']:.2f}x", (r["batch_size"], r["tokens_per_s"]), textcoords="offset points",

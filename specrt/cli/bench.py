@@ -68,10 +68,11 @@ def bench(pair_dir, device, prompts, prompt_text, draft_lens, max_new_tokens, re
         if batch_sizes:
             if len(names) != 1:
                 raise ConfigError("--batch-sizes compares batch sizes for one drafter; give one in --drafters")
-            with click.progressbar(length=repeats * len(draft_lens) * len(batch_sizes), label="bench",
+            runs = sum(len(tree_list) if k else 1 for k in draft_lens) * len(batch_sizes)
+            with click.progressbar(length=repeats * runs, label="bench",
                                    file=sys.stderr) as bar:
                 res = run_batch_bench(pair, plist, batch_sizes, draft_lens, max_new_tokens, repeats, sampling,
-                                      drafter=names[0], progress=lambda: bar.update(1))
+                                      drafter=names[0], progress=lambda: bar.update(1), trees=tree_list)
             table = format_batch_table(res)
         else:
             with click.progressbar(length=repeats * len(plist) * len(settings_grid(draft_lens, names, (0.0,), tree_list)),
