@@ -13,9 +13,10 @@ acceptance up to its depth times the draft's probability of it; a lookup node: t
 where the branch starts times the lookup's own acceptance down to it), scaled by what such nodes measured
 against what they were expected to add (`learned`, per family). Nodes are taken best first while a node's
 gain per the seconds it adds to the pass (the measured cost by width) beats the round's expected tokens per
-second without it, and the tree fits the pass (`limit` nodes). Now and then (`probe_every` rounds) the
-best node of each family goes in whatever it is expected to pay, so a family once judged useless is
-measured again.
+second without it (a batch row's: the batch's tokens per second, and its pass already as wide as the widest
+row), the tree fits the pass (`limit` nodes), and the request's constraint allows the node's path. Now and
+then (`probe_every` rounds) the best node of each family goes in whatever it is expected to pay, so a family
+once judged useless is measured again.
 """
 from __future__ import annotations
 
