@@ -45,15 +45,19 @@ def test_the_tree_bound_by_hand():
     no_lookups = [[] for _ in OUT]
     # the chain right for 3, then its runner-up right where it fails: a round of 4 drafts (the fourth's pass
     # gives the runner-up) verifying 5 nodes emits 5 (3 + the runner-up + the bonus), then 4 plain passes
-    three, second = OUT[:4] + [0] * 6, [1] * 4 + [OUT[4]] + [1] * 5
+    three, second = OUT[:4] + [0] * 6, [[1]] * 4 + [[OUT[4]]] + [[1]] * 5
     chain = oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8)
     tree = oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8, second)
     assert tree == pytest.approx(min(chain, (0.4 + 1.6) + 4 * 1.1)) and tree < chain
+    # the same where the right token is the draft's third choice, with two alternatives a position
+    third = [[1, 2]] * 4 + [[1, OUT[4]]] + [[1, 2]] * 5
+    assert oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8, third) == pytest.approx(tree)
+    assert oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8, [[1]] * 10) == pytest.approx(chain)
     # a lookup right for 6 from where the chain fails at 1: one tree of the chain's 1 and its 5 others
     lookups = [[] for _ in OUT]
     lookups[1] = [OUT[1:7]]
     one = OUT[:2] + [0] * 8
-    assert oracle.cheapest(OUT, one, lookups, TARGET, 0.1, 8, [0] * 10) <= 0.1 + TARGET[7] + 2 * 1.1 + 1e-9
+    assert oracle.cheapest(OUT, one, lookups, TARGET, 0.1, 8, [[0]] * 10) <= 0.1 + TARGET[7] + 2 * 1.1 + 1e-9
     # never worse than chains: the trees only add options
     assert oracle.cheapest(OUT, three, lookups, TARGET, 0.1, 8, second) <= oracle.cheapest(OUT, three, lookups, TARGET, 0.1, 8)
 

@@ -115,7 +115,7 @@ def test_rejection_over_siblings_emits_exact_samples(kind):
 
 def test_the_grower_adds_what_pays_and_probes_the_rest():
     costs = CostModel(draft_s=0.01, target_s={1: 0.030, 2: 0.031, 3: 0.032, 4: 0.033, 5: 0.034, 6: 0.035, 7: 0.060})
-    chain = Proposal(np.array([5, 6, 7]), runner_up=np.array([8, 9, -1]), runner_up_p=np.array([0.4, 0.3, 0.0]))
+    chain = Proposal(np.array([5, 6, 7]), runner_up=np.array([[8], [9], [-1]]), runner_up_p=np.array([[0.4], [0.3], [0.0]]))
     reach, E = [1.0, 0.7, 0.49, 0.34], 1 + 0.7 + 0.49 + 0.34
     g = Grower({}, probe_every=0)
     t = g.grow(chain, reach, None, (), E, 3 * 0.01 + 0.033, costs.target, limit=8)
@@ -136,6 +136,13 @@ def test_the_grower_adds_what_pays_and_probes_the_rest():
     batch = lambda w: 0.02 * 3 * max(w, 5)  # noqa: E731
     assert len(Grower({}, probe_every=0).grow(chain, reach, None, (), E, 0.063, batch, 8, rate=500.0)) == 4
     assert len(Grower({}, probe_every=0).grow(chain, reach, None, (), E, 0.063, batch, 8, rate=2.0)) == 5
+    # the draft's third choices too, best first: the root's (0.25 tokens) goes in before the second position's
+    # runner-up (0.21), which would then widen the pass to 7 (60 ms): only the first two pay
+    two = Proposal(chain.tokens, runner_up=np.array([[8, 11], [9, 12], [-1, -1]]),
+                   runner_up_p=np.array([[0.4, 0.25], [0.3, 0.05], [0.0, 0.0]]))
+    costs.target_s[6] = 0.035
+    t = Grower({}, probe_every=0).grow(two, reach, None, (), E, 3 * 0.01 + 0.033, costs.target, limit=8)
+    assert t.tokens.tolist() == [5, 6, 7, 8, 11] and t.parents.tolist() == [-1, 0, 1, -1, -1]
     # learned: a family whose nodes never hit is expected to add less, until a probe puts one in
     g = Grower({}, probe_every=4)
     for _ in range(80):
@@ -275,7 +282,7 @@ def test_rejection_sampled_trees_under_a_grammar_are_exact_samples():
 def test_a_branch_the_grammar_refuses_is_not_grown():
     """The grower asks the constraint of each branch's path: a runner-up or lookup token the grammar forbids
     there, or one after which it allows nothing, stays out (the chain's own tokens were cut before)."""
-    chain = Proposal(np.array([2, 4]), runner_up=np.array([3, 1]), runner_up_p=np.array([0.4, 0.3]))
+    chain = Proposal(np.array([2, 4]), runner_up=np.array([[3], [1]]), runner_up_p=np.array([[0.4], [0.3]]))
     c = Constraint(FakeMatcher(rule, 5, 4), ByteTokens, 5)  # the sequence ends in 4: anything but 4 next
     grow = Grower({}, probe_every=0).grow
     args = (chain, [1.0, 0.5, 0.25], np.array([2, 4, 4]), [0.9, 0.9, 0.9], 1.75, 0.05, lambda w: 0.03 + 0.0001 * w, 8)

@@ -65,9 +65,9 @@ def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, 
     return {w: statistics.median(times[w]) for w in widths}, statistics.median(times["draft"])
 
 
-def model_tokens(pair, prompt: list[int], out: list[int]) -> tuple[list[int], list[int], float]:
+def model_tokens(pair, prompt: list[int], out: list[int], alternatives: int = 1) -> tuple[list[int], list[list[int]], float]:
     """(the draft model's greedy token at every output position given the exact prefix [len(out)], its next
-    choice there (a tree's runner-up), the seconds its prompt pass took)."""
+    `alternatives` choices there (a tree's runner-ups), the seconds its prompt pass took)."""
     from specrt.decoding.proposers import greedy_pick, greedy_runner_up
 
     d, V, ids = pair.draft, pair.manifest.vocab_size, pair.draft_ids
@@ -80,7 +80,7 @@ def model_tokens(pair, prompt: list[int], out: list[int]) -> tuple[list[int], li
         if tok is not None:
             row = d.forward(np.array([[tok]]), np.array([0]))[0, -1]
         picks.append(greedy_pick(row, ids, V, False)[0])
-        seconds.append(greedy_runner_up(row, ids, V, picks[-1])[0])
+        seconds.append([t for t, _ in greedy_runner_up(row, ids, V, picks[-1], alternatives)])
     d.truncate(0)
     return picks, seconds, prefill
 
@@ -97,9 +97,9 @@ def cheapest(out: list[int], model: list[int] | None, lookups: list[list], targe
     """Seconds of the cheapest sequence of rounds that emits out[1:] (out[0] comes with the prefill).
     `model[i]`: the draft model's token at i (None: no model rounds); `lookups[i]`: the lookup proposals
     at i (token lists). A model round's draft passes are charged one token each (a pass after a round that
-    accepted all reads two: left out, as a bound must). `second[i]`: the model's next choice at i: a model
+    accepted all reads two: left out, as a bound must). `second[i]`: the model's next choices at i: a model
     round may then verify a tree of at most kmax nodes (decoding/tree.py's shapes): its chain of k, the
-    runner-up where the chain fails, and the first l tokens of one lookup proposal, which share with the chain
+    runner-up where the chain fails (whichever of them is right), and the first l tokens of one lookup proposal, which share with the chain
     the tokens both got right (a longer common prefix, where both are wrong alike, is not counted)."""
     n = len(out)
     run = [0] * (n + 1)  # the model's drafts from i that match, in a row
@@ -113,7 +113,7 @@ def cheapest(out: list[int], model: list[int] | None, lookups: list[list], targe
             options.append(k * draft_s + target_s[k + 1] + best[min(i + a + 1, n)])
             if second is None:
                 continue
-            hit = a < k and i + a < n and second[i + a] == out[i + a]
+            hit = a < k and i + a < n and out[i + a] in second[i + a]
             if hit and k + 1 <= kmax:  # the runner-up where the chain fails
                 options.append(k * draft_s + target_s[k + 2] + best[min(i + a + 2, n)])
             for prop in lookups[i]:
@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--trees", action="store_true",
                     help="also the bound of model rounds verifying trees (`cheapest`'s `second`): the oracle's column "
                          "with trees")
+    ap.add_argument("--alternatives", type=int, default=2,
+                    help="with --trees: the draft's next choices a tree may hang where its chain fails "
+                         "(PolicyConfig.tree_alternatives)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import specrt
@@ -198,7 +201,7 @@ def main() -> None:
         res = pair.run(p.ids, cfg)
         out = list(res.tokens) + ([pair.manifest.eos_token_ids[0]] if res.finish_reason == "eos" else [])
         pair.draft_memory.forget()
-        model, second, draft_prefill = model_tokens(pair, p.ids, out)
+        model, second, draft_prefill = model_tokens(pair, p.ids, out, args.alternatives)
         lookup, suffix = LookupProposer(), SuffixProposer(history, min_share=share)
         lookup.start(p.ids), suffix.start(p.ids)
         seq = list(p.ids) + out

@@ -176,7 +176,7 @@ class Auto(_Base):
         super().__init__(proposers, max_k, state or PolicyState(), config)
         self.grower = Grower(self.state.tree, config.tree_probe_every) if trees else None
         if trees and self.model is not None:
-            self.model.runner_up = True
+            self.model.runner_up = config.tree_alternatives
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)

@@ -33,10 +33,10 @@ class Proposal:
     passes: int = 0  # draft model passes it took (a catch-up pass included)
     catchup_s: float = 0.0  # time of its first pass when that read > 2 tokens (catching up), else 0
     catchup_tokens: int = 0  # how many tokens that pass read
-    # a model draft's next choices (when asked for, for a tree): per position, the likeliest token other than
-    # the drafted one (-1: none) and its draft probability
-    runner_up: np.ndarray | None = None  # [k'] int64
-    runner_up_p: np.ndarray | None = None  # [k']
+    # a model draft's next choices (when asked for, for a tree): per position, the m likeliest tokens other than
+    # the drafted one, likeliest first (-1: none), and their draft probabilities
+    runner_up: np.ndarray | None = None  # [k', m] int64
+    runner_up_p: np.ndarray | None = None  # [k', m]
 
     def cut(self, n: int) -> Proposal:
         """Its first n tokens (what a grammar allows of it)."""
@@ -100,26 +100,36 @@ def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: 
     return (j if ids is None else int(ids[j])), top
 
 
-def runner_up(p: np.ndarray, t: int) -> tuple[int, float]:
-    """(the likeliest token of distribution p [V] other than t, its probability)."""
-    pt = float(p[t])
-    p[t] = -1.0
-    j = int(p.argmax())
-    p[t] = pt
-    return (j, float(p[j])) if p[j] > 0 else (-1, 0.0)
+def _next(p: np.ndarray, skip: int, m: int) -> list[tuple[int, float]]:
+    """The m likeliest entries of weights p [n] other than index `skip`, likeliest first ((-1, 0.0) past the
+    positive ones), with their weights; p is left as it was (m argmaxes: cheaper than a partition for m <= 3)."""
+    taken, out = [skip], []
+    saved = [float(p[skip])]
+    p[skip] = -1.0
+    for _ in range(m):
+        j = int(p.argmax())
+        if p[j] <= 0:
+            break
+        out.append((j, float(p[j])))
+        taken.append(j), saved.append(float(p[j]))
+        p[j] = -1.0
+    p[taken] = saved
+    return out + [(-1, 0.0)] * (m - len(out))
 
 
-def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int) -> tuple[int, float]:
+def runner_up(p: np.ndarray, t: int, m: int = 1) -> list[tuple[int, float]]:
+    """The m likeliest tokens of distribution p [V] other than t, likeliest first (-1: none), with their
+    probabilities."""
+    return _next(p, t, m)
+
+
+def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int, m: int = 1) -> list[tuple[int, float]]:
     """`runner_up` from draft logits rows [W] whose argmax is token t, without expanding them."""
     lg = rows[:vocab] if ids is None else rows
     j1 = int(lg.argmax())
     z = np.exp(lg - lg[j1])
-    s = float(z.sum())
-    z[j1] = -1.0
-    j2 = int(z.argmax())
-    if z[j2] <= 0:
-        return -1, 0.0
-    return (j2 if ids is None else int(ids[j2])), float(z[j2]) / s
+    z /= z.sum()
+    return [(j if ids is None or j < 0 else int(ids[j]), q) for j, q in _next(z, j1, m)]
 
 
 class DraftMemory:
@@ -178,7 +188,7 @@ class ModelProposer:
                  window: int | None = None, kind: str = "model", skip: int | None = None):
         self.engine, self.vocab, self.ids, self.memory, self.window = engine, vocab, ids, memory, window
         self.kind, self.skip = kind, skip
-        self.runner_up = False  # its proposals carry each position's next choice (a tree's policy sets it)
+        self.runner_up = 0  # its proposals carry each position's next this many choices (a tree's policy sets it)
         self.off = 0  # the position in the sequence of the token the first cache slot holds
         self.fresh = True  # not drafted yet in this request: its first pass reads the prompt (up to `window`)
 
@@ -249,14 +259,15 @@ class ModelProposer:
                 t, top = sampling.sample(p[-1], rng, len(seq) + len(d)), p[-1].max()
             d.append(t)
             if self.runner_up:  # from the logits in hand: no pass
-                alt.append(greedy_runner_up(rows, ids, self.vocab, t) if p is None else runner_up(p[-1], t))
+                m = self.runner_up
+                alt.append(greedy_runner_up(rows, ids, self.vocab, t, m) if p is None else runner_up(p[-1], t, m))
             feed = [t]
             if top < confidence_stop:
                 break
         more = {}
         if alt:
-            a = np.array(alt, np.float64).reshape(-1, 2)
-            more = dict(runner_up=a[:, 0].astype(np.int64), runner_up_p=a[:, 1])
+            a = np.array(alt, np.float64).reshape(len(alt), self.runner_up, 2)
+            more = dict(runner_up=a[..., 0].astype(np.int64), runner_up_p=a[..., 1])
         return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes, **more)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,

@@ -3,7 +3,7 @@
 A tree's nodes are tokens with parent pointers (-1: the round's last emitted token, the root; a parent comes
 before its children; siblings are distinct tokens). Nodes 0..chain-1 are the chain the policy's proposer
 drafted; the others are branches other parts propose from what they already hold, without a pass: the draft
-model's next choice at each drafted position (from the logits it drafted with), and a lookup's continuation
+model's next choices at each drafted position (from the logits it drafted with), and a lookup's continuation
 of the sequence where it parts from the chain. The target verifies them all in one pass (each node sees the
 cache and its ancestors only) and sampling.accept_tree walks the accepted path.
 
@@ -116,9 +116,10 @@ class Grower:
         cands: list[tuple[Branch, int]] = []  # (branch, index among the lookup's nodes or -1)
         if chain.runner_up is not None:
             s = self.scale("runner_up")
-            for d, (t, p) in enumerate(zip(chain.runner_up.tolist(), chain.runner_up_p.tolist())):
-                if t >= 0:
-                    cands.append((Branch(d - 1, t, reach[d] * p * s, "runner_up"), -1))
+            for d, (ts, ps) in enumerate(zip(chain.runner_up.tolist(), chain.runner_up_p.tolist())):
+                for t, p in zip(ts, ps):
+                    if t >= 0:
+                        cands.append((Branch(d - 1, t, reach[d] * p * s, "runner_up"), -1))
         if lookup is not None and len(lookup):
             f = lookup.tolist()
             at = next((j for j in range(min(len(f), k)) if f[j] != tokens[j]), min(len(f), k))
