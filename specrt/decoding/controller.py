@@ -42,8 +42,10 @@ class PolicyConfig:
     # a tree round puts each branch family's best node in whatever it is expected to pay every this many
     # rounds, so a family judged useless is measured again (decoding/tree.py)
     tree_probe_every: int = 16
-    # a tree's candidate runner-ups: the draft's next this many choices at each drafted position
-    tree_alternatives: int = 2
+    # a tree's candidate runner-ups: the draft's next this many choices at each drafted position (2 lost to 1 on
+    # the AVX-512 VNNI host, priced: its third choices cost a node for few tokens; a host with cheap wide passes
+    # may differ)
+    tree_alternatives: int = 1
 
 
 @dataclass

@@ -30,6 +30,7 @@ from specrt.decoding.proposers import Proposal
 # a family's measured and expected tokens count as this many rounds' worth of its prior (1:1) to start with
 PRIOR = 1.0
 DECAY = 0.98  # the weight a family's sums keep at each round that tried it
+RUNNER_UP = ("runner_up", "third_choice", "later_choice")  # the draft's next choices' families, by rank
 
 
 @dataclass(frozen=True)
@@ -114,12 +115,13 @@ class Grower:
         tokens, parents = list(chain.tokens.tolist()), list(range(-1, k - 1))
         kids = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
         cands: list[tuple[Branch, int]] = []  # (branch, index among the lookup's nodes or -1)
-        if chain.runner_up is not None:
-            s = self.scale("runner_up")
+        if chain.runner_up is not None:  # each rank its own family: a third choice is calibrated apart
+            fams = [RUNNER_UP[min(j, len(RUNNER_UP) - 1)] for j in range(chain.runner_up.shape[1])]
+            scale = [self.scale(f) for f in fams]
             for d, (ts, ps) in enumerate(zip(chain.runner_up.tolist(), chain.runner_up_p.tolist())):
-                for t, p in zip(ts, ps):
+                for t, p, f, s in zip(ts, ps, fams, scale):
                     if t >= 0:
-                        cands.append((Branch(d - 1, t, reach[d] * p * s, "runner_up"), -1))
+                        cands.append((Branch(d - 1, t, reach[d] * p * s, f), -1))
         if lookup is not None and len(lookup):
             f = lookup.tolist()
             at = next((j for j in range(min(len(f), k)) if f[j] != tokens[j]), min(len(f), k))
