@@ -100,12 +100,12 @@ def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: 
     return (j if ids is None else int(ids[j])), top
 
 
-def _next(p: np.ndarray, skip: int, m: int) -> list[tuple[int, float]]:
-    """The m likeliest entries of weights p [n] other than index `skip`, likeliest first ((-1, 0.0) past the
-    positive ones), with their weights; p is left as it was (m argmaxes: cheaper than a partition for m <= 3)."""
-    taken, out = [skip], []
-    saved = [float(p[skip])]
-    p[skip] = -1.0
+def runner_up(p: np.ndarray, t: int, m: int = 1) -> list[tuple[int, float]]:
+    """The m likeliest tokens of distribution p [V] other than t, likeliest first ((-1, 0.0) past the ones with
+    any probability), with their probabilities; p is left as it was (m argmaxes: cheaper than a partition for a
+    few)."""
+    taken, saved, out = [t], [float(p[t])], []
+    p[t] = -1.0
     for _ in range(m):
         j = int(p.argmax())
         if p[j] <= 0:
@@ -117,19 +117,13 @@ def _next(p: np.ndarray, skip: int, m: int) -> list[tuple[int, float]]:
     return out + [(-1, 0.0)] * (m - len(out))
 
 
-def runner_up(p: np.ndarray, t: int, m: int = 1) -> list[tuple[int, float]]:
-    """The m likeliest tokens of distribution p [V] other than t, likeliest first (-1: none), with their
-    probabilities."""
-    return _next(p, t, m)
-
-
 def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int, m: int = 1) -> list[tuple[int, float]]:
     """`runner_up` from draft logits rows [W] whose argmax is token t, without expanding them."""
     lg = rows[:vocab] if ids is None else rows
     j1 = int(lg.argmax())
     z = np.exp(lg - lg[j1])
     z /= z.sum()
-    return [(j if ids is None or j < 0 else int(ids[j]), q) for j, q in _next(z, j1, m)]
+    return [(j if ids is None or j < 0 else int(ids[j]), q) for j, q in runner_up(z, j1, m)]
 
 
 class DraftMemory:
