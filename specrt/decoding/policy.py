@@ -253,14 +253,12 @@ class Auto(_Base):
         lookup = accept = None
         if found is not None and len(found.tokens) and (la := self.controller(found.kind)) is not None:
             lookup, accept = found.tokens, la.accept
-        if batch is None:
-            return self.grower.grow(proposal, reach, lookup, accept or (), auto.expected_tokens(k), auto.cost(k),
-                                    self.costs.target, limit, fits)
-        # a batch's pass computes rows x its widest row: a node costs only where it widens that, against the
-        # tokens the batch's seconds give
-        width = lambda w: self.costs.target(batch.rows * max(w, batch.widest))  # noqa: E731
+        width, rate = self.costs.target, None
+        if batch is not None:  # a batch's pass computes rows x its widest row: a node costs only where it widens
+            width = lambda w: self.costs.target(batch.rows * max(w, batch.widest))  # noqa: E731
+            rate = batch.rate  # against the tokens the batch's seconds give
         return self.grower.grow(proposal, reach, lookup, accept or (), auto.expected_tokens(k), auto.cost(k),
-                                width, limit, fits, rate=batch.rate)
+                                width, limit, fits, rate)
 
     def _extra_s(self, p: Proposer, seq: list[int]) -> float:
         """What a round by `p` costs besides its passes: for a paid proposer that is behind, its catch-up pass;

@@ -122,8 +122,8 @@ def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: in
     lg = rows[:vocab] if ids is None else rows
     j1 = int(lg.argmax())
     z = np.exp(lg - lg[j1])
-    z /= z.sum()
-    return [(j if ids is None or j < 0 else int(ids[j]), q) for j, q in runner_up(z, j1, m)]
+    s = float(z.sum())
+    return [(j if ids is None or j < 0 else int(ids[j]), q / s) for j, q in runner_up(z, j1, m)]
 
 
 class DraftMemory:
