@@ -12,6 +12,7 @@ from _helpers import P_MIN, FakeEngine, FrozenCosts, chi2_pvalue, fake_exact_joi
 from specrt.cli import main
 from specrt.config import GenerationConfig, SamplingConfig
 from specrt.decoding.decode import decode
+from specrt.decoding.controller import DRAFT_EDGES, DraftStop
 from specrt.decoding.policy import Batch, Auto, PolicyConfig, Calibration, Controller, CostModel, Fixed, PolicyState
 from specrt.decoding.proposers import History, LookupProposer, ModelProposer
 from specrt.errors import ConfigError
@@ -355,11 +356,14 @@ def test_auto_sampling_is_lossless(temperature, top_k, top_p, monkeypatch):
     costs = FrozenCosts(draft_s=0.3, target_s={1: 1.0, 5: 1.2})
     follow, followed = Controller.follow, []
     monkeypatch.setattr(Controller, "follow", lambda self, p: followed.append(p) or follow(self, p))
+    ask, stops = DraftStop.__call__, []  # the rounds' drafts stop by the draft's confidence in its sampled tokens
+    monkeypatch.setattr(DraftStop, "__call__", lambda self, top: stops.append(ask(self, top)) or stops[-1])
     calibration = Calibration()  # carried from request to request, as a Pair does: plain rounds follow it
     obs, exact, proposed, rounds = _joint3(_Drafter(), costs, SamplingConfig(temperature, top_k, top_p), "auto",
                                            calibration=calibration)
     assert 0 < proposed < 3 * rounds  # the controller both drafted and held back
     assert len(followed) > 100  # and plain rounds followed the target's confidence
+    assert 0 < sum(stops) < len(stops)  # and its drafts both went on and stopped where their tokens said
     p = chi2_pvalue(obs, exact)
     assert p > P_MIN, f"p={p:.2e}"
 
@@ -377,6 +381,50 @@ def test_confidence_stop_greedy_is_exact(qwen_pair):
     res = qwen_pair.run(prompt, GenerationConfig(max_new_tokens=48, draft_len=8, confidence_stop=0.9))
     assert res.tokens == base
     assert res.stats["proposed"] < 8 * res.stats["rounds"]
+
+
+def test_a_draft_goes_on_while_its_next_token_pays():
+    """DraftStop: after each drafted token, one more goes on while the tokens so far (by the draft's confidence
+    in each) make some further ones worth their cost at the round's own rate."""
+    costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.8})  # a draft step 0.1, a pass 0.1 more a token
+
+    def drafted(tops, cal=None, cap=8, widen=False, also=0.0, accept=0.9, c=costs):
+        stop = DraftStop(Controller(8, c, accept=[accept] * 8), cal or Calibration(DRAFT_EDGES), cap, widen, also)
+        return next((i + 1 for i, t in enumerate(tops) if stop(t)), None)
+
+    assert drafted([0.99] * 8) == 8  # sure of every token: to the cap
+    assert drafted([0.99] * 8, cap=5) == 5
+    assert drafted([0.1] * 8) == 1  # unsure of the first: one more is not worth 0.2 s at ~0.9 tokens/s
+    assert drafted([0.99, 0.99, 0.99, 0.2, 0.99]) == 4  # the reach falls at the fourth
+    assert drafted([0.1] * 8, widen=True) == 2  # a widened round drafts one past the rule's stop
+    assert drafted([0.99, 0.99, 0.99, 0.2, 0.99, 0.1, 0.1], widen=True) == 5
+    assert drafted([0.99] * 8, also=0.995) == 1  # the request's own confidence_stop
+    assert drafted([0.99] * 8, accept=0.05) == 1  # tokens after these are rarely accepted: none pays
+    assert drafted([0.99] * 8, c=dear_drafts()) == 1  # a draft step dearer than a pass
+    learned = Calibration(DRAFT_EDGES)
+    for _ in range(8):
+        learned.observe(0.1, True)  # this draft is right even where it is unsure
+    assert drafted([0.1] * 8, cal=learned) == 8
+
+
+def test_a_sure_draft_drafts_past_the_controllers_k():
+    """The controller's estimate (0.7 a position) makes 3 drafts the best k; a draft sure of each token (and
+    right) goes on to the pass's room with the stop, in fewer rounds than without it. Either way, target-only's
+    text."""
+    V = 16
+    cfg = GenerationConfig(max_new_tokens=40, draft_len="auto", sampling=SamplingConfig(temperature=0.0))
+    costs = FrozenCosts(draft_s=0.1, target_s={1: 1.0, 9: 1.4})
+    assert Controller(8, costs, accept=[0.7] * 8).best(8)[0] == 3
+    runs, states = {}, {}
+    for draft_stop in (True, False):
+        state = states[draft_stop] = PolicyState(costs=costs, acceptance={"model": [0.7] * 8})
+        policy = Auto([ModelProposer(_Cycle(V), V)], 8, state, config(draft_stop=draft_stop))
+        out, _, runs[draft_stop] = decode(_Cycle(V), policy, [3, 4, 5], cfg, V, frozenset())
+        assert out == [3 + (t - 3) % 10 for t in range(6, 46)]
+    assert runs[True].draft_len_hist.get(8, 0) >= 2 and 8 not in runs[False].draft_len_hist, \
+        (runs[True].draft_len_hist, runs[False].draft_len_hist)
+    assert runs[True].rounds < runs[False].rounds
+    assert states[True].draft_calibration.predict(0.9999) == 1.0  # it learned that its sure tokens are accepted
 
 
 def test_calibration_learns_acceptance_by_the_targets_confidence():

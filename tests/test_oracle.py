@@ -62,6 +62,24 @@ def test_the_tree_bound_by_hand():
     assert oracle.cheapest(OUT, three, lookups, TARGET, 0.1, 8, second) <= oracle.cheapest(OUT, three, lookups, TARGET, 0.1, 8)
 
 
+def test_the_deep_tree_bound_by_hand():
+    """A runner-up the draft model continues: its teacher-forced tokens past the branch are the output's."""
+    no_lookups = [[] for _ in OUT]
+    # five to emit, the draft wrong at 2 only (its runner-up right there): a chain of 2 (1 right), the runner-up
+    # and 2 more on it (draft steps 3-4 the branch's alone; 5 nodes) emit 1 + 1 + 2 + the bonus, everything, in
+    # one round; as leaves the best is two rounds
+    out = list(range(100, 106))
+    gap, runner_up = out[:2] + [0] + out[3:], [[1]] * 2 + [[out[2]]] + [[1]] * 3
+    none = [[] for _ in out]
+    deep = oracle.cheapest(out, gap, none, TARGET, 0.1, 8, runner_up, 0.15)
+    assert deep == pytest.approx(4 * 0.1 + TARGET[6])
+    assert oracle.cheapest(out, gap, none, TARGET, 0.1, 8, runner_up) == pytest.approx((0.1 + TARGET[2]) + (0.2 + TARGET[3]))
+    # a continuation that is wrong from its first token adds nothing over the leaf
+    three, second = OUT[:4] + [0] * 6, [[1]] * 4 + [[OUT[4]]] + [[1]] * 5
+    assert oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8, second, 0.15) == pytest.approx(
+        oracle.cheapest(OUT, three, no_lookups, TARGET, 0.1, 8, second))
+
+
 def test_the_bound_runs_on_a_pair(tmp_path, int4_default_dir):
     """On a tiny pair: it runs end to end, and the bound is above plain decoding and every fixed draft
     length it prints (the dynamic program has each of their schedules among its choices)."""
@@ -70,11 +88,11 @@ def test_the_bound_runs_on_a_pair(tmp_path, int4_default_dir):
         [("code", "def add(a, b):"), ("chat", "Say hello twice."), ("code", "def add(a, b):")])) + "\n")
     out = tmp_path / "o.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "policy" / "oracle.py"), str(int4_default_dir), "--prompts",
-                        str(prompts), "--max-new-tokens", "24", "--past", "16", "--repeats", "2", "--trees", "--json", str(out)],
+                        str(prompts), "--max-new-tokens", "24", "--past", "16", "--repeats", "2", "--trees", "--deep", "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     d = json.loads(out.read_text())
     assert set(d["summary"]) == {"code", "chat", "all"} and len(d["prompts"]) == 3
     for s in d["summary"].values():
-        assert s["ratio"] >= 1.0 - 1e-9 and s["tree_ratio"] >= s["ratio"] - 1e-9
+        assert s["ratio"] >= 1.0 - 1e-9 and s["deep_tree_ratio"] >= s["tree_ratio"] - 1e-9 >= s["ratio"] - 2e-9
         assert all(s["ratio"] >= r - 1e-9 for r in s["model_fixed_k"].values())

@@ -24,6 +24,7 @@ Prints, per prompt class and over all, tokens per second of target-only and of t
 
     python bench/policy/oracle.py PAIR_DIR --prompts bench/prompts/prompts.jsonl --prompts bench/prompts/more.jsonl \
         --prompts bench/prompts/edits.jsonl [--max-new-tokens 128] [--past 300] [--repeats 15] [--table FILE] [--json OUT]
+        [--trees [--alternatives N] [--deep]]
 
 `--table FILE` prices the rounds with a table `bench/ab.py --table FILE` measured (its target column times a
 pass with the last position's logits only; a verify pass computes every position's, which the head's
@@ -43,8 +44,10 @@ from pathlib import Path
 import numpy as np
 
 
-def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, float], float]:
-    """(target seconds by width, draft seconds at one token): medians, widths and the draft interleaved."""
+def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, float], float, float]:
+    """(target seconds by width, draft seconds at one token, at two tokens): medians, widths and the draft
+    interleaved. The two-token draft pass computes the last position's logits only (the draft engine makes no
+    more): a tree's draft step needs both, so its price here is a little low, as a bound's may be."""
     rng = np.random.default_rng(0)
     V = pair.manifest.vocab_size
     ids = rng.integers(0, V, (1, past + max(widths)))
@@ -54,15 +57,16 @@ def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, 
     d.forward(ids[:, :past], np.array([past - 1]))
     times = defaultdict(list)
     for rep in range(repeats + 1):  # the first: a warm-up
-        for w in ["draft", *widths]:
-            e, n = (d, 1) if w == "draft" else (t, w)
+        for w in ["draft", "draft2", *widths]:
+            e, n = (d, {"draft": 1, "draft2": 2}[w]) if isinstance(w, str) else (t, w)
             e.truncate(past)
             s = time.perf_counter()
-            e.forward(ids[:, past:past + n], np.array([n - 1]) if w == "draft" else np.arange(n))
+            e.forward(ids[:, past:past + n], np.array([n - 1]) if isinstance(w, str) else np.arange(n))
             if rep:
                 times[w].append(time.perf_counter() - s)
     t.truncate(0), d.truncate(0)
-    return {w: statistics.median(times[w]) for w in widths}, statistics.median(times["draft"])
+    return {w: statistics.median(times[w]) for w in widths}, statistics.median(times["draft"]), \
+        statistics.median(times["draft2"])
 
 
 def model_tokens(pair, prompt: list[int], out: list[int], alternatives: int = 1) -> tuple[list[int], list[list[int]], float]:
@@ -93,14 +97,18 @@ def agree(proposal, out: list[int], i: int) -> int:
 
 
 def cheapest(out: list[int], model: list[int] | None, lookups: list[list], target_s: dict[int, float], draft_s: float,
-             kmax: int, second: list[int] | None = None) -> float:
+             kmax: int, second: list[int] | None = None, deep: float | None = None) -> float:
     """Seconds of the cheapest sequence of rounds that emits out[1:] (out[0] comes with the prefill).
     `model[i]`: the draft model's token at i (None: no model rounds); `lookups[i]`: the lookup proposals
     at i (token lists). A model round's draft passes are charged one token each (a pass after a round that
     accepted all reads two: left out, as a bound must). `second[i]`: the model's next choices at i: a model
     round may then verify a tree of at most kmax nodes (decoding/tree.py's shapes): its chain of k, the
     runner-up where the chain fails (whichever of them is right), and the first l tokens of one lookup proposal, which share with the chain
-    the tokens both got right (a longer common prefix, where both are wrong alike, is not counted)."""
+    the tokens both got right (a longer common prefix, where both are wrong alike, is not counted).
+    `deep` (with `second`): a runner-up may also be continued by the draft model (a branch that is not a leaf):
+    its L tokens come from L more draft steps, each a pass of two tokens (`deep` seconds) while the chain is
+    still drafting, of one after it; knowing the output, the runner-up that is right is the output's token,
+    so its continuation is the draft's teacher-forced tokens and agrees for run[i + a + 1] tokens."""
     n = len(out)
     run = [0] * (n + 1)  # the model's drafts from i that match, in a row
     for i in range(n - 1, -1, -1):
@@ -116,6 +124,12 @@ def cheapest(out: list[int], model: list[int] | None, lookups: list[list], targe
             hit = a < k and i + a < n and out[i + a] in second[i + a]
             if hit and k + 1 <= kmax:  # the runner-up where the chain fails
                 options.append(k * draft_s + target_s[k + 2] + best[min(i + a + 2, n)])
+            if hit and deep is not None:  # ... continued by the draft model
+                for ln in range(1, kmax - k):
+                    both = max(0, min(k, a + 1 + ln) - (a + 1))  # draft steps the chain and the branch share
+                    steps = max(k, a + 1 + ln)
+                    s = (steps - both) * draft_s + both * deep + target_s[k + 2 + ln]
+                    options.append(s + best[min(i + a + 2 + min(ln, run[i + a + 1]), n)])
             for prop in lookups[i]:
                 b = agree(prop, out, i)
                 for ln in range(1, len(prop) + 1):
@@ -160,6 +174,9 @@ def main() -> None:
     ap.add_argument("--alternatives", type=int, default=2,
                     help="with --trees: the draft's next choices a tree may hang where its chain fails "
                          "(PolicyConfig.tree_alternatives)")
+    ap.add_argument("--deep", action="store_true",
+                    help="with --trees: also the bound of trees whose runner-up the draft model continues (`cheapest`'s "
+                         "`deep`: draft passes of two tokens), a column of its own")
     ap.add_argument("--json")
     args = ap.parse_args()
     import specrt
@@ -185,9 +202,10 @@ def main() -> None:
             return float(np.interp(width, w, t))
         target_s = {w: price("target", w) for w in range(1, kmax + 2)}
         draft_s, draft2_s = price("draft", 1), price("draft", 2)
+        tree2_s = draft2_s  # its two-token price (a pass with the last logits only: the head's rows left out)
     else:
         price = None
-        target_s, draft_s = pass_costs(pair, args.past, args.repeats, range(1, kmax + 2))
+        target_s, draft_s, tree2_s = pass_costs(pair, args.past, args.repeats, range(1, kmax + 2))
         draft2_s = draft_s
     print(f"# {' '.join(sys.argv)}")
     print(f"# target pass ms by width: {' '.join(f'{w}:{s * 1e3:.1f}' for w, s in target_s.items())}; draft step "
@@ -195,7 +213,7 @@ def main() -> None:
     history = History()
     share = PolicyConfig().suffix_share
     # class -> tokens, target-only s, oracle s, tree oracle s, model k s
-    totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0] + [0.0] * kmax)
+    totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0] + [0.0] * kmax)
     rows = []
     for p in prompts:
         res = pair.run(p.ids, cfg)
@@ -220,6 +238,9 @@ def main() -> None:
         tree = prefill + min(cheapest(out, None, lookups, target_s, draft_s, kmax),
                              draft_prefill + cheapest(out, model, lookups, target_s, draft_s, kmax, second)) \
             if args.trees else best
+        deep = prefill + min(cheapest(out, None, lookups, target_s, draft_s, kmax),
+                             draft_prefill + cheapest(out, model, lookups, target_s, draft_s, kmax, second, tree2_s)) \
+            if args.trees and args.deep else tree
         n = len(res.tokens)
         ks = [prefill + draft_prefill + fixed(out, model, target_s, (draft_s, draft2_s), k) for k in range(1, kmax + 1)]
         for key in (p.kind, "all"):
@@ -227,25 +248,29 @@ def main() -> None:
             totals[key][1] += plain
             totals[key][2] += best
             totals[key][3] += tree
+            totals[key][4] += deep
             for k in range(kmax):
-                totals[key][4 + k] += ks[k]
+                totals[key][5 + k] += ks[k]
         right = float(np.mean([m == o for m, o in zip(model[1:], out[1:])])) if len(out) > 1 else 0.0
         rows.append({"prompt": p.id, "class": p.kind, "tokens": n, "target_only_s": plain, "oracle_s": best,
-                     "tree_oracle_s": tree, "model_agree": right})
-        print(f"{p.id:<18} {p.kind:<5} {n:4d} tokens  oracle {plain / best:.2f}x  trees {plain / tree:.2f}x  (draft model right on "
+                     "tree_oracle_s": tree, "deep_tree_oracle_s": deep,
+                     "model_agree": right})
+        print(f"{p.id:<18} {p.kind:<5} {n:4d} tokens  oracle {plain / best:.2f}x  trees {plain / tree:.2f}x  deep {plain / deep:.2f}x  (draft model right on "
               f"{rows[-1]['model_agree']:.0%} of positions)", flush=True)
-    print(f"class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  with trees  model drafts k = 1..{kmax} "
+    print(f"class   tokens  target-only tok/s  oracle tok/s  oracle / target-only  with trees  deep trees  model drafts k = 1..{kmax} "
           "every round")
     summary = {}
-    for key, (n, plain, best, tree, *ks) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
+    for key, (n, plain, best, tree, deep, *ks) in sorted(totals.items(), key=lambda kv: kv[0] == "all"):
         summary[key] = {"tokens": n, "target_only_tok_s": n / plain, "oracle_tok_s": n / best, "ratio": plain / best,
-                        "tree_ratio": plain / tree, "model_fixed_k": {k + 1: plain / t for k, t in enumerate(ks)}}
-        print(f"{key:<7} {n:6d} {n / plain:18.1f} {n / best:13.1f} {plain / best:21.2f} {plain / tree:11.2f}  "
+                        "tree_ratio": plain / tree, "deep_tree_ratio": plain / deep,
+                        "model_fixed_k": {k + 1: plain / t for k, t in enumerate(ks)}}
+        print(f"{key:<7} {n:6d} {n / plain:18.1f} {n / best:13.1f} {plain / best:21.2f} {plain / tree:11.2f} {plain / deep:11.2f}  "
               + " ".join(f"{plain / t:.2f}" for t in ks))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary, "prompts": rows,
                                                "target_ms": {w: t * 1e3 for w, t in target_s.items()},
-                                               "draft_ms": draft_s * 1e3}, indent=1))
+                                               "draft_ms": draft_s * 1e3,
+                                               "draft_two_ms": tree2_s * 1e3}, indent=1))
 
 
 if __name__ == "__main__":

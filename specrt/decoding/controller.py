@@ -46,6 +46,9 @@ class PolicyConfig:
     # the AVX-512 VNNI host, priced: its third choices cost a node for few tokens; a host with cheap wide passes
     # may differ)
     tree_alternatives: int = 1
+    # a model round alone drafts while its tokens so far, by the draft's confidence in each, make one more worth
+    # its cost (`DraftStop`), up to the pass's room, once auto chose to draft; False: the controller's k
+    draft_stop: bool = True
 
 
 @dataclass
@@ -104,17 +107,22 @@ class CostModel:
 
 @dataclass
 class Calibration:
-    """How often the draft model's first token is accepted, by how sure the target is of its own token
-    there (its top probability, in bins at `edges`), learned from the rounds the draft model drafts. In
-    a plain round the target's logits are at hand, so this predicts for free whether a draft would have
-    been accepted (measured on the int4 pair at k = 2: 0.31 below 0.5, 0.91 above 0.99). Older rounds
-    fade (`keep`: a round 140 rounds back counts half); a bin predicts once it holds `min_seen` rounds."""
+    """How often a draft token is accepted, by how sure someone was there (a top probability, in bins at
+    `edges`), learned from the rounds the draft model drafts. Two are kept: by the target's confidence at the
+    first position, which in a plain round predicts for free whether a draft would have been accepted (measured
+    on the int4 pair at k = 2: 0.31 below 0.5, 0.91 above 0.99); and by the draft's own confidence at each
+    drafted token (`DRAFT_EDGES`), which tells a round while it drafts how likely its tokens are (`DraftStop`).
+    Older rounds fade (`keep`: an observation 140 back counts half); a bin predicts once it holds `min_seen`."""
 
     edges: tuple[float, ...] = (0.5, 0.8, 0.95, 0.99)
-    hits: list[float] = field(default_factory=lambda: [0.0] * 5)
-    seen: list[float] = field(default_factory=lambda: [0.0] * 5)
+    hits: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
     keep: float = 0.995
     min_seen: float = 4.0
+
+    def __post_init__(self):
+        self.hits = self.hits or [0.0] * (len(self.edges) + 1)
+        self.seen = self.seen or [0.0] * (len(self.edges) + 1)
 
     def observe(self, top: float, accepted: bool) -> None:
         b = bisect.bisect_right(self.edges, top)
@@ -131,6 +139,54 @@ class Calibration:
     def predict(self, top: float) -> float | None:
         b = bisect.bisect_right(self.edges, top)
         return self.hits[b] / self.seen[b] if self.seen[b] >= self.min_seen else None
+
+
+# bins of the draft's top probability for its acceptance (on the int4 pair, greedy, 27 prompts: 0.37 of its
+# tokens accepted below 0.43, 0.56 at 0.43-0.61, 0.73 at 0.61-0.80, 0.91 at 0.80-0.92, 0.98 above)
+DRAFT_EDGES = (0.3, 0.45, 0.6, 0.75, 0.85, 0.92, 0.97, 0.99)
+
+
+class DraftStop:
+    """Whether a model round drafts one more token, asked after each (proposers.Stop): the tokens so far are
+    accepted together with chance R (the product of each one's acceptance by the draft's confidence in it,
+    `calibration`; its top probability itself until a bin has seen enough), so the round as it stands is
+    expected to emit E = 1 + the sum of those chances, for a draft step per token and a pass one wider. It goes
+    on while some number m of further tokens (each accepted with the controller's chance at its position)
+    is expected to add more tokens per second than the round has without them: the marginal rule a draft
+    length is chosen by (`Controller.best`), with what the draft said of this round's tokens in place of the
+    average. `widen`: a round the controller widened drafts one token past where the rule stops, so the
+    estimate past it is measured again; `also`: the request's own `confidence_stop`."""
+
+    def __init__(self, controller: "Controller", calibration: Calibration, cap: int, widen: bool = False,
+                 also: float = 0.0):
+        self.ctl, self.cal, self.cap, self.widen, self.also = controller, calibration, cap, widen, also
+        self.k, self.reach, self.expected = 0, 1.0, 1.0
+
+    def __call__(self, top: float) -> bool:
+        self.k += 1
+        c = self.cal.predict(top)
+        self.reach *= top if c is None else c
+        self.expected += self.reach
+        if top < self.also or self.k >= self.cap:
+            return True
+        if not self._goes_on():
+            if not self.widen:
+                return True
+            self.widen = False
+        return False
+
+    def _goes_on(self) -> bool:
+        ctl, k = self.ctl, self.k
+        cost = ctl.cost(k)
+        if cost <= 0:
+            return True
+        gain, run = 0.0, self.reach
+        for m in range(1, self.cap - k + 1):
+            run *= ctl.accept[k + m - 1] if k + m - 1 < len(ctl.accept) else 0.0
+            gain += run
+            if (self.expected + gain) * cost > self.expected * ctl.cost(k + m):
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -154,6 +210,7 @@ class Controller:
         self._gap, self._since_probe = config.probe_every, 0  # plain rounds before the next probe; since the last
         self._since_widen = 0
         self.rounds_skipped = 0
+        self.probing = self.widened = False  # whether the last `choose` was a probe; drafted one more to measure it
 
     def expected_tokens(self, k: int) -> float:
         e, run = 1.0, 1.0
@@ -226,6 +283,7 @@ class Controller:
         """Draft length for the next round, at most `limit`; `behind`: tokens the draft would read first;
         `remaining`: tokens the request may still generate; `batch`: the round is a batch's (`best`)."""
         limit = min(limit, self.max_k)
+        self.probing = self.widened = False
         if limit <= 0:
             return 0
         # in a batch a draft after rounds without one pays its catch-up pass (alone: the gate below)
@@ -243,6 +301,7 @@ class Controller:
             if self.probe_due(behind):
                 self._gap = min(2 * self._since_probe, self.c.max_probe_every)  # twice the wait it just had
                 self._since_probe = 0
+                self.probing = True
                 return 1
             self.rounds_skipped += 1
         else:
@@ -250,6 +309,7 @@ class Controller:
             self._since_widen += 1
             if self.c.widen_every and best_k < limit and self._since_widen >= self.c.widen_every:
                 self._since_widen = 0
+                self.widened = True
                 return best_k + 1
         return best_k
 

@@ -419,7 +419,8 @@ class Decoder:
         how many draft passes that took."""
         done, steps, feeds, catchup, passes = {}, {}, {}, {}, 0
         for r, row in rows:
-            g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.cfg.confidence_stop, row.constraint)
+            g = row.proposer.steps(row.seq, row.k, row.cfg.sampling, row.rng, row.policy.stop(row.cfg.confidence_stop),
+                                   row.constraint)
             try:
                 feeds[r], steps[r] = next(g), g
             except StopIteration as s:  # needs no pass (a lookup)

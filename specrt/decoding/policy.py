@@ -11,6 +11,8 @@ being plain decoding. One `Controller` per proposal kind holds the estimate ("mo
 "ngram1".."ngram8" by matched length). With several proposers (hybrid: a lookup and the draft model) it
 offers the round to whichever is expected to emit more per second, counting what a paid proposer's catch-up
 will cost after rounds it sat out.
+Once it chose to draft, a model round alone goes on as far as the pass has room while the tokens it drafted,
+by its confidence in each, make one more worth its cost (controller.DraftStop): long where the draft is sure.
 When k = 0 wins it still probes now and then with one draft token (the wait doubling after each probe
 that does not restart drafting), so it resumes once drafting pays again; a plain round's target
 confidence also predicts what a model draft would have got there (`Calibration`), which moves the
@@ -39,9 +41,9 @@ import numpy as np
 from specrt.config import needs_draft_model
 from specrt.decoding import sampling
 from specrt.decoding.constraint import Constraint
-from specrt.decoding.controller import Batch, Calibration, Controller, CostModel, PolicyConfig
+from specrt.decoding.controller import DRAFT_EDGES, Batch, Calibration, Controller, CostModel, DraftStop, PolicyConfig
 from specrt.decoding.proposers import (Found, GrammarProposer, History, LookupProposer, ModelProposer, Proposal,
-                                       Proposer, SuffixProposer)
+                                       Proposer, Stop, SuffixProposer, below)
 from specrt.decoding.tree import Grower, Tree
 
 
@@ -53,6 +55,8 @@ class PolicyState:
     # per kind, conditional acceptance per position, as the last request that drafted it ended
     acceptance: dict[str, list[float]] = field(default_factory=dict)
     calibration: Calibration = field(default_factory=Calibration)
+    # the draft model's tokens' acceptance by its own confidence in each (controller.DraftStop)
+    draft_calibration: Calibration = field(default_factory=lambda: Calibration(DRAFT_EDGES))
     # earlier requests' outputs, for the suffix proposer (None: every request starts from none)
     history: History | None = None
     # per tree branch family, [tokens its nodes added, tokens they were expected to add] (decoding/tree.py)
@@ -95,6 +99,9 @@ class Policy(Protocol):
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         """(who drafts, how many tokens, at most `limit`); `left`: tokens the request may still emit;
         `batch`: the round is a batch's, with other rows in it."""
+    def stop(self, confidence_stop: float) -> Stop | None:
+        """Whether the round's drafting stops after a token, before the k planned (proposers.Stop);
+        `confidence_stop`: the request's."""
     def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
              batch: Batch | None = None) -> Tree | None:
         """The tree the round verifies instead of `proposal` (at most `limit` nodes, each path one the request's
@@ -114,6 +121,10 @@ class _Base:
 
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
         raise NotImplementedError
+
+    def stop(self, confidence_stop: float) -> Stop | None:
+        """When this round's drafts stop before the k it planned (the request's `confidence_stop`: a threshold)."""
+        return below(confidence_stop)
 
     def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
              batch: Batch | None = None) -> Tree | None:
@@ -189,6 +200,7 @@ class Auto(_Base):
         self.autos: dict[str, Controller] = {}
         self.predicted_tokens = self.predicted_s = 0.0
         self.calib = self.state.calibration if self.model is not None else None
+        self._stop: DraftStop | None = None  # this round's, when its drafts stop by their confidence
         # this round's (proposer, controller, whether planned, what the lookup found)
         self._plan: tuple[Proposer | None, Controller | None, bool, Found | None] = (None, None, False, None)
 
@@ -205,7 +217,7 @@ class Auto(_Base):
         return self.autos[kind]
 
     def plan(self, seq: list[int], limit: int, left: int, batch: Batch | None = None) -> tuple[Proposer | None, int]:
-        self._plan = (None, None, False, None)
+        self._plan, self._stop = (None, None, False, None), None
         if limit <= 0:
             return None, 0
         # 1. The offers, in order: each free proposer's proposal where it found one, then each paid proposer.
@@ -239,7 +251,18 @@ class Auto(_Base):
                 for _, a in paid:
                     a.wait()
         self._plan = (src, auto, True, found)
+        # 4. A model round alone that drafts (not a probe) may go to the pass's room: it stops where its tokens so
+        #    far, by the draft's confidence in them, make one more not worth its cost (controller.DraftStop).
+        if self.c.draft_stop and batch is None and not src.free and k and not auto.probing:
+            k = min(limit, self.max_k)
+            self._stop = DraftStop(auto, self.state.draft_calibration, k, widen=auto.widened)
         return src, k
+
+    def stop(self, confidence_stop: float) -> Stop | None:
+        if self._stop is None:
+            return below(confidence_stop)
+        self._stop.also = confidence_stop
+        return self._stop
 
     def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
              batch: Batch | None = None) -> Tree | None:
@@ -286,6 +309,10 @@ class Auto(_Base):
             scored.observe(m if m == len(new) else min(len(shown), m + 1), m)
         if auto is not None and auto is not scored:
             auto.observe(r.k, r.accepted)
+        if src is not None and src is self.model and r.proposal.tops is not None:
+            # each drafted token up to the first rejected one, by the draft's confidence in it
+            for i, top in enumerate(r.proposal.tops[:r.accepted + 1].tolist()):
+                self.state.draft_calibration.observe(top, i < r.accepted)
         if r.tree is not None:
             self.grower.observe(r.tree, r.path)
         calib, model = self.calib, self.model
@@ -340,6 +367,9 @@ class Forced:
     def grow(self, seq: list[int], proposal: Proposal, limit: int, fits: Callable[[Sequence[int]], bool],
              batch: Batch | None = None) -> Tree | None:
         return None if self._forced else self.policy.grow(seq, proposal, limit, fits, batch)
+
+    def stop(self, confidence_stop: float) -> Stop | None:
+        return None if self._forced else self.policy.stop(confidence_stop)
 
     def commit(self, valid: int) -> None:
         self.policy.commit(valid)

@@ -37,6 +37,7 @@ class Proposal:
     # the drafted one, likeliest first (-1: none), and their draft probabilities
     runner_up: np.ndarray | None = None  # [k', m] int64
     runner_up_p: np.ndarray | None = None  # [k', m]
+    tops: np.ndarray | None = None  # [k']: a model draft's probability of its likeliest token at each position
 
     def cut(self, n: int) -> Proposal:
         """Its first n tokens (what a grammar allows of it)."""
@@ -44,7 +45,7 @@ class Proposal:
             return self
         part = lambda a: None if a is None else a[:n]  # noqa: E731
         return Proposal(self.tokens[:n], part(self.p_draft), self.passes, self.catchup_s, self.catchup_tokens,
-                        part(self.runner_up), part(self.runner_up_p))
+                        part(self.runner_up), part(self.runner_up_p), part(self.tops))
 
 
 NOTHING = Proposal(np.empty(0, np.int64))
@@ -59,6 +60,13 @@ class Found:
     kind: str  # the estimate auto learns it under: "ngram1".."ngram8", "suffix1".."suffix8"; "ngram": nothing
     name: str  # "ngram" | "suffix": what the stats count its rounds by
 Steps = Generator[list[int], np.ndarray, Proposal]  # yields a pass's tokens, is sent its logits row [W]
+# asked after each drafted token with the draft's probability of its likeliest token there: stop drafting?
+Stop = Callable[[float], bool]
+
+
+def below(threshold: float) -> Stop | None:
+    """A request's `confidence_stop`: stop after a token drafted with less confidence than this (0: never)."""
+    return (lambda top: top < threshold) if threshold else None
 
 
 class Proposer(Protocol):
@@ -73,10 +81,10 @@ class Proposer(Protocol):
     def behind(self, seq: list[int]) -> int:
         """Tokens its next proposal reads before it can draft (what a catch-up costs)."""
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+              stop: Stop | None = None, constraint: Constraint | None = None) -> Steps:
         """Its proposal's coroutine; under a `constraint` a model drafts from its masked distributions."""
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-                confidence_stop: float = 0.0) -> Proposal: ...
+                stop: Stop | None = None) -> Proposal: ...
     def commit(self, valid: int) -> None:
         """The first `valid` tokens of the sequence are committed."""
 
@@ -213,10 +221,11 @@ class ModelProposer:
         self.engine.truncate(keep)
 
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
-        """Draft up to k tokens; stop after a token whose top probability is below `confidence_stop`, or where
-        the `constraint` allows no token. Under a constraint each position's logits are masked as the
-        target's will be (decoding/constraint.py), so the draft's distributions are the constrained ones."""
+              stop: Stop | None = None, constraint: Constraint | None = None) -> Steps:
+        """Draft up to k tokens; stop where `stop` says after a token (given the draft's top probability there,
+        which the proposal keeps), or where the `constraint` allows no token. Under a constraint each position's
+        logits are masked as the target's will be (decoding/constraint.py), so the draft's distributions are the
+        constrained ones."""
         if self.skip is not None and not self.fresh and self._unread(seq) > self.skip:
             # Read only the last `skip` tokens of what it missed; the cache keeps what came before, with a
             # gap (the skipped tokens' positions go to the ones after them).
@@ -235,7 +244,7 @@ class ModelProposer:
         self.fresh = False
         if self.memory is not None:  # the live sequence: its committed tokens from `off` on are what the slots hold
             self.memory.seq, self.memory.off = seq, self.off
-        d, p, passes, alt = [], None if cfg.greedy else [], 0, []
+        d, p, passes, alt, tops = [], None if cfg.greedy else [], 0, [], []
         for _ in range(k):
             rows = yield feed  # [W]
             passes += 1
@@ -247,26 +256,27 @@ class ModelProposer:
                     break
             ids = None if allowed is not None else self.ids
             if p is None:
-                t, top = greedy_pick(rows, ids, self.vocab, bool(confidence_stop))
+                t, top = greedy_pick(rows, ids, self.vocab, True)
             else:
                 p.append(sampling.warp(expand_logits(rows, ids, self.vocab)[None], cfg)[0])  # [V]
                 t, top = sampling.sample(p[-1], rng, len(seq) + len(d)), p[-1].max()
             d.append(t)
+            tops.append(float(top))
             if self.runner_up:  # from the logits in hand: no pass
                 m = self.runner_up
                 alt.append(greedy_runner_up(rows, ids, self.vocab, t, m) if p is None else runner_up(p[-1], t, m))
             feed = [t]
-            if top < confidence_stop:
+            if stop is not None and stop(top):
                 break
         more = {}
         if alt:
             a = np.array(alt, np.float64).reshape(len(alt), self.runner_up, 2)
             more = dict(runner_up=a[..., 0].astype(np.int64), runner_up_p=a[..., 1])
-        return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes, **more)
+        return Proposal(np.array(d, np.int64), np.stack(p) if p else None, passes=passes, tops=np.array(tops), **more)
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-                confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Proposal:
-        steps, catchup = self.steps(seq, k, cfg, rng, confidence_stop, constraint), (0.0, 0)
+                stop: Stop | None = None, constraint: Constraint | None = None) -> Proposal:
+        steps, catchup = self.steps(seq, k, cfg, rng, stop, constraint), (0.0, 0)
         feed = next(steps)
         while True:
             t0 = time.perf_counter()
@@ -325,7 +335,7 @@ class LookupProposer:
         return f"{family}8" if n >= 8 else f"{family}{min(n, 3)}"
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-                confidence_stop: float = 0.0) -> Proposal:
+                stop: Stop | None = None) -> Proposal:
         if self._found is not None and self._at[0] == len(seq) and self._at[1] >= k:  # what the last find found
             found = self._found
         else:
@@ -334,7 +344,7 @@ class LookupProposer:
         return Proposal(found.tokens[:k])
 
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+              stop: Stop | None = None, constraint: Constraint | None = None) -> Steps:
         return self.propose(seq, k, cfg, rng)  # what leaves a constraint is cut by the round
         yield  # a generator that needs no pass
 
@@ -466,11 +476,11 @@ class GrammarProposer:
         return Found(np.array(self.constraint.forced(k), np.int64), 0, "grammar", "grammar")
 
     def propose(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-                confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Proposal:
+                stop: Stop | None = None, constraint: Constraint | None = None) -> Proposal:
         return Proposal(self.find(seq, k).tokens)
 
     def steps(self, seq: list[int], k: int, cfg: SamplingConfig, rng: np.random.Generator | sampling.Coupled,
-              confidence_stop: float = 0.0, constraint: Constraint | None = None) -> Steps:
+              stop: Stop | None = None, constraint: Constraint | None = None) -> Steps:
         return self.propose(seq, k, cfg, rng)
         yield  # a generator that needs no pass
 
