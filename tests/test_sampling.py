@@ -99,6 +99,30 @@ def test_top_p_on_a_real_vocabulary_is_the_full_sorts_set_bit_for_bit(scale):
             assert np.array_equal(got[r], _nucleus_by_full_sort(base[r], top_p)), (r, top_p)
 
 
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_top_p_and_top_k_over_a_restricted_vocabulary_are_the_full_sorts_bits(top_k):
+    """A draft over a restricted vocabulary gives most ids -inf (zero probability, mostly in one run at the end):
+    top-k and top-p look only at the rest, with the same bits as the plain definitions over all."""
+    rng = np.random.default_rng(7)
+    logits = np.full((3, 151936), -np.inf, np.float32)
+    logits[0, :49152] = rng.normal(scale=1.0, size=49152)
+    logits[1, rng.permutation(151936)[:49152]] = rng.normal(scale=3.0, size=49152)
+    logits[2, :30] = np.round(rng.normal(size=30))  # fewer live tokens than top_k, ties among them
+    for top_p in (0.5, 0.95, 1.0):
+        base = warp(logits, SamplingConfig(0.8))
+        if top_k:
+            z = logits.astype(np.float64)
+            z = (z - z.max(axis=-1, keepdims=True)) / 0.8
+            finite = np.where(np.isfinite(z), z, -np.inf)
+            kth = np.sort(finite, axis=-1)[:, -top_k, None]
+            z = np.where(z < kth, -np.inf, z)
+            base = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+        got = warp(logits, SamplingConfig(0.8, top_k=top_k, top_p=top_p))
+        for r in range(3):
+            want = base[r] if top_p == 1.0 else _nucleus_by_full_sort(base[r], top_p)
+            assert np.array_equal(got[r], want), (r, top_p)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.8, 5, 0.9),
                                                      (2.0, 40, 0.95), (0.5, 2, 0.3)])
 def test_warp_matches_transformers(temperature, top_k, top_p):
