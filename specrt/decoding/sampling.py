@@ -53,7 +53,7 @@ def _nucleus(p: np.ndarray, top_p: float, head: int = 2048) -> np.ndarray:
     thousand likeliest tokens: those are sorted alone (a full sort of 151,936 costs ~10 ms a row), and their
     mass is summed in the same order as over all, so the result is the same bits; else all are sorted."""
     ids = np.flatnonzero(p)
-    q = p[ids]
+    q = p[ids] if len(ids) < len(p) else p  # a target's distribution has no zeros: no copy
     order = None
     if len(q) > 2 * head:
         cut = np.partition(q, -head)[-head]
