@@ -99,6 +99,35 @@ def test_top_p_on_a_real_vocabulary_is_the_full_sorts_set_bit_for_bit(scale):
             assert np.array_equal(got[r], _nucleus_by_full_sort(base[r], top_p)), (r, top_p)
 
 
+def test_top_p_over_a_peaked_distribution_sorts_the_few_likely_tokens_with_the_full_sorts_bits():
+    """A language model's distribution: a few likely tokens over a long tail. The set is found among the tokens
+    within 1e-3 of the likeliest (ties at that level, and sets that end past them, too): the full sort's bits."""
+    from specrt.decoding import sampling
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(scale=1.0, size=(4, 151936)).astype(np.float32)
+    logits[:, :40] += np.linspace(14.0, 2.0, 40, dtype=np.float32)  # a few likely tokens
+    logits[1, 100:400] = logits[1, :40].max() - np.float32(np.log(1e3))  # a tie run near the level
+    logits[2, :3] = 30.0  # three sure tokens, tied
+    logits[3, :40] -= 10.0  # flat: the set ends past every level's candidates
+    base = warp(logits, SamplingConfig(1.0))
+    real, sorted_lengths = np.argsort, {}
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        for r in range(4):
+            calls = []
+            np.argsort = lambda a, *x, **k: calls.append(len(a)) or real(a, *x, **k)
+            try:
+                got = sampling._nucleus(base[r].copy(), top_p)
+            finally:
+                np.argsort = real
+            assert np.array_equal(got, _nucleus_by_full_sort(base[r], top_p)), (r, top_p)
+            sorted_lengths[r, top_p] = calls[-1]
+    # the few likely ones alone (three tied tokens hold 2/3 below top_p 0.9: the set may go on, the head is sorted)
+    assert all(sorted_lengths[r, p] < 400 for r in (0, 1) for p in (0.05, 0.5, 0.9)) and sorted_lengths[2, 0.5] == 3
+    assert sorted_lengths[2, 0.9] == 2048
+    assert sorted_lengths[3, 0.999] == 151936  # flat: all of them
+
+
 @pytest.mark.parametrize("top_k", [0, 40])
 def test_top_p_and_top_k_over_a_restricted_vocabulary_are_the_full_sorts_bits(top_k):
     """A draft over a restricted vocabulary gives most ids -inf (zero probability, mostly in one run at the end):
@@ -121,6 +150,33 @@ def test_top_p_and_top_k_over_a_restricted_vocabulary_are_the_full_sorts_bits(to
         for r in range(3):
             want = base[r] if top_p == 1.0 else _nucleus_by_full_sort(base[r], top_p)
             assert np.array_equal(got[r], want), (r, top_p)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (40, 1.0), (0, 0.9), (20, 0.8)])
+def test_a_draft_step_samples_its_own_ids_as_it_would_all_of_them(top_k, top_p):
+    """A sampled draft step warps the logits of the draft's restricted ids alone and spreads the result over all
+    ids (proposers.spread): the distribution of warping all ids (-inf elsewhere) but for the sum's rounding, and
+    a draw of it (by one uniform, or coupled noise) the same token as the same draw over all ids."""
+    from specrt.decoding.proposers import expand_logits, spread
+    from specrt.decoding.sampling import sample
+
+    rng = np.random.default_rng(11)
+    V = 151936
+    ids = np.sort(rng.choice(V, 49152, replace=False))
+    cfg = SamplingConfig(0.9, top_k=top_k, top_p=top_p)
+    noise = Coupled(5)
+    for trial in range(6):
+        rows = rng.normal(scale=2.5, size=len(ids)).astype(np.float32)
+        own = warp(rows[None], cfg)[0]
+        every = warp(expand_logits(rows, ids, V)[None], cfg)[0]
+        got = spread(own, ids, V)
+        assert got.shape == (V,) and np.count_nonzero(got[np.setdiff1d(np.arange(V), ids)]) == 0
+        np.testing.assert_allclose(got, every, rtol=1e-12, atol=0)
+        for u in (0.0, 0.3, 0.77, 1 - 2 ** -53):
+            assert int(ids[draw(own, u)]) == draw(every, u)
+        for pos in range(5):
+            assert sample(own, noise, pos, ids) == sample(every, noise, pos)
+        assert sample(own, np.random.default_rng(trial), 0, ids) == sample(every, np.random.default_rng(trial), 0)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.8, 5, 0.9),

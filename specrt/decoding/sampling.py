@@ -45,25 +45,28 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     return p
 
 
-def _nucleus(p: np.ndarray, top_p: float, head: int = 2048) -> np.ndarray:
+def _nucleus(p: np.ndarray, top_p: float, head: int = 2048, level: float = 1e-3) -> np.ndarray:
     """p [V] with only the smallest set of most likely tokens whose mass reaches top_p kept, renormalised.
     Tokens in order of falling probability, ties by id (a stable sort). Only tokens with any probability are
     looked at (a zero adds nothing kept or not, and a long run of zeros, as a draft's distribution over a
-    restricted vocabulary has, makes numpy's partition ~20x slower). The set is nearly always within the few
-    thousand likeliest tokens: those are sorted alone (a full sort of 151,936 costs ~10 ms a row), and their
-    mass is summed in the same order as over all, so the result is the same bits; else all are sorted."""
+    restricted vocabulary has, makes numpy's partition ~20x slower). The set is a prefix of that order, so
+    when the tokens at or above some probability hold top_p of the mass it lies among them: sorting those
+    alone gives the same order and the same sums, so the same bits. Tried in turn: the tokens within `level`
+    of the likeliest (one pass; a language model's set is nearly always a few tokens among them), the `head`
+    likeliest (a partition), then all (a full sort of 151,936 costs ~10 ms a row)."""
     ids = np.flatnonzero(p)
     q = p[ids] if len(ids) < len(p) else p  # a target's distribution has no zeros: no copy
-    order = None
-    if len(q) > 2 * head:
-        cut = np.partition(q, -head)[-head]
-        cand = np.flatnonzero(q >= cut)  # every token tied with the cut too
+    for upper in (lambda: np.flatnonzero(q >= q.max() * level),
+                  lambda: np.flatnonzero(q >= np.partition(q, -head)[-head]) if len(q) > 2 * head else None):
+        cand = upper()  # an upper set: every token tied with its lowest too
+        if cand is None or len(cand) > 2 * head:
+            continue
         order = cand[np.argsort(-q[cand], kind="stable")]
         sorted_q = q[order]
         mass_before = np.cumsum(sorted_q) - sorted_q
-        if mass_before[-1] < top_p:  # the set may go on past the candidates
-            order = None
-    if order is None:
+        if mass_before[-1] >= top_p:  # the set ends among them
+            break
+    else:
         order = np.argsort(-q, kind="stable")
         sorted_q = q[order]
         mass_before = np.cumsum(sorted_q) - sorted_q
@@ -98,19 +101,21 @@ class Coupled:
     def exponential(self, pos: int, ids: np.ndarray) -> np.ndarray:
         return -np.log(self.uniform(pos, ids))
 
-    def pick(self, p: np.ndarray, pos: int) -> int:
+    def pick(self, p: np.ndarray, pos: int, ids: np.ndarray | None = None) -> int:
         """argmax(p / e_pos) = argmax(log p + g_pos) over the tokens p [V] gives mass: an exact sample of p
         (a token without mass scores 0 and never wins). e = -log u >= 1 - u, so p / (1 - u) bounds a token's
         score without a logarithm: the exact scores are computed only where that bound reaches the exact
-        score of the token with the best bound (with a margin for rounding), which picks the same token."""
-        dense = np.count_nonzero(p) > len(p) // 8
-        ids = np.arange(len(p)) if dense else np.flatnonzero(p)
-        q, u = (p if dense else p[ids]), self.uniform(pos, ids)
+        score of the token with the best bound (with a margin for rounding), which picks the same token.
+        `ids`: the token id each entry of p stands for (sorted; None: entry i is id i); the noise is the id's."""
+        dense = ids is None and np.count_nonzero(p) > len(p) // 8
+        at = np.arange(len(p)) if dense else np.flatnonzero(p)
+        tokens = at if ids is None else ids[at]
+        q, u = (p if dense else p[at]), self.uniform(pos, tokens)
         bound = q / (1.0 - u)
         i = int(np.argmax(bound))
         best = q[i] / -np.log(u[i])
         near = np.flatnonzero(bound * (1.0 + 1e-9) >= best)
-        return int(ids[near[np.argmax(q[near] / -np.log(u[near]))]])
+        return int(tokens[near[np.argmax(q[near] / -np.log(u[near]))]])
 
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -128,9 +133,13 @@ def source(seed: int, coupled: bool) -> np.random.Generator | Coupled:
     return Coupled(seed) if coupled else np.random.default_rng(seed)
 
 
-def sample(p: np.ndarray, rng: np.random.Generator | Coupled, pos: int) -> int:
-    """One token from the warped distribution p [V] at sequence position `pos`."""
-    return rng.pick(p, pos) if isinstance(rng, Coupled) else draw(p, rng.random())
+def sample(p: np.ndarray, rng: np.random.Generator | Coupled, pos: int, ids: np.ndarray | None = None) -> int:
+    """One token from the warped distribution p [V] at sequence position `pos`; `ids`: the token id each entry
+    of p stands for (sorted; None: entry i is id i)."""
+    if isinstance(rng, Coupled):
+        return rng.pick(p, pos, ids)
+    j = draw(p, rng.random())
+    return j if ids is None else int(ids[j])
 
 
 def draw(dist: np.ndarray, u: float) -> int:
