@@ -101,15 +101,15 @@ def test_top_p_on_a_real_vocabulary_is_the_full_sorts_set_bit_for_bit(scale):
 
 def test_top_p_over_a_peaked_distribution_sorts_the_few_likely_tokens_with_the_full_sorts_bits():
     """A language model's distribution: a few likely tokens over a long tail. The set is found among the tokens
-    within 1e-3 of the likeliest (ties at that level, and sets that end past them, too): the full sort's bits."""
+    within 1e-6 of the likeliest (ties at that level, and sets that end past them, too): the full sort's bits."""
     from specrt.decoding import sampling
 
     rng = np.random.default_rng(3)
     logits = rng.normal(scale=1.0, size=(4, 151936)).astype(np.float32)
-    logits[:, :40] += np.linspace(14.0, 2.0, 40, dtype=np.float32)  # a few likely tokens
-    logits[1, 100:400] = logits[1, :40].max() - np.float32(np.log(1e3))  # a tie run near the level
-    logits[2, :3] = 30.0  # three sure tokens, tied
-    logits[3, :40] -= 10.0  # flat: the set ends past every level's candidates
+    logits[:, :40] += np.linspace(24.0, 8.0, 40, dtype=np.float32)  # a few likely tokens
+    logits[1, 100:400] = logits[1, :40].max() - np.float32(np.log(1e6))  # a tie run near the level
+    logits[2, :3] = 40.0  # three sure tokens, tied
+    logits[3, :40] -= 30.0  # flat: the set ends past every level's candidates
     base = warp(logits, SamplingConfig(1.0))
     real, sorted_lengths = np.argsort, {}
     for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):

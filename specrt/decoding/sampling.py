@@ -45,17 +45,18 @@ def warp(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     return p
 
 
-def _nucleus(p: np.ndarray, top_p: float, head: int = 2048, level: float = 1e-3) -> np.ndarray:
+def _nucleus(p: np.ndarray, top_p: float, head: int = 2048, level: float = 1e-6) -> np.ndarray:
     """p [V] with only the smallest set of most likely tokens whose mass reaches top_p kept, renormalised.
     Tokens in order of falling probability, ties by id (a stable sort). Only tokens with any probability are
     looked at (a zero adds nothing kept or not, and a long run of zeros, as a draft's distribution over a
     restricted vocabulary has, makes numpy's partition ~20x slower). The set is a prefix of that order, so
     when the tokens at or above some probability hold top_p of the mass it lies among them: sorting those
     alone gives the same order and the same sums, so the same bits. Tried in turn: the tokens within `level`
-    of the likeliest (one pass; a language model's set is nearly always a few tokens among them), the `head`
-    likeliest (a partition), then all (a full sort of 151,936 costs ~10 ms a row)."""
-    ids = np.flatnonzero(p)
-    q = p[ids] if len(ids) < len(p) else p  # a target's distribution has no zeros: no copy
+    of the likeliest (one pass; on the int4 pair at T 0.8 the set of top-p 0.95 ends among them in 94% of
+    the target's rows, a median of 42 tokens), the `head` likeliest (a partition), then all (a full sort of
+    151,936 costs ~10 ms a row)."""
+    ids = np.flatnonzero(p) if np.count_nonzero(p) < len(p) else None
+    q = p if ids is None else p[ids]  # a target's distribution has no zeros: no copy
     for upper in (lambda: np.flatnonzero(q >= q.max() * level),
                   lambda: np.flatnonzero(q >= np.partition(q, -head)[-head]) if len(q) > 2 * head else None):
         cand = upper()  # an upper set: every token tied with its lowest too
@@ -70,10 +71,12 @@ def _nucleus(p: np.ndarray, top_p: float, head: int = 2048, level: float = 1e-3)
         order = np.argsort(-q, kind="stable")
         sorted_q = q[order]
         mass_before = np.cumsum(sorted_q) - sorted_q
-    kept = ids[order[mass_before < top_p]]  # the first token always has mass_before 0
+    kept = order[mass_before < top_p]  # the first token always has mass_before 0
+    kept = kept if ids is None else ids[kept]
     out = np.zeros_like(p)
     out[kept] = p[kept]
-    return out / out.sum()
+    out /= out.sum()
+    return out
 
 
 def top_prob(logits: np.ndarray) -> float:
