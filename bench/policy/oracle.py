@@ -72,7 +72,7 @@ def pass_costs(pair, past: int, repeats: int, widths: range) -> tuple[dict[int, 
 def model_tokens(pair, prompt: list[int], out: list[int], alternatives: int = 1) -> tuple[list[int], list[list[int]], float]:
     """(the draft model's greedy token at every output position given the exact prefix [len(out)], its next
     `alternatives` choices there (a tree's runner-ups), the seconds its prompt pass took)."""
-    from specrt.decoding.proposers import greedy_pick, greedy_runner_up
+    from specrt.decoding.proposers import greedy
 
     d, V, ids = pair.draft, pair.manifest.vocab_size, pair.draft_ids
     d.truncate(0)
@@ -83,8 +83,9 @@ def model_tokens(pair, prompt: list[int], out: list[int], alternatives: int = 1)
     for tok in [None, *out[:-1]]:
         if tok is not None:
             row = d.forward(np.array([[tok]]), np.array([0]))[0, -1]
-        picks.append(greedy_pick(row, ids, V, False)[0])
-        seconds.append([t for t, _ in greedy_runner_up(row, ids, V, picks[-1], alternatives)])
+        pick, _, alts = greedy(row, ids, V, alternatives)
+        picks.append(pick)
+        seconds.append([t for t, _ in alts])
     d.truncate(0)
     return picks, seconds, prefill
 

@@ -109,12 +109,15 @@ def spread(p: np.ndarray, ids: np.ndarray | None, vocab: int) -> np.ndarray:
     return full
 
 
-def greedy_pick(rows: np.ndarray, ids: np.ndarray | None, vocab: int, want_top: bool) -> tuple[int, float]:
-    """(argmax token, its probability or 1.0 when not wanted) from draft logits rows [W], no expansion."""
+def greedy(rows: np.ndarray, ids: np.ndarray | None, vocab: int, m: int = 0) -> tuple[int, float, list[tuple[int, float]]]:
+    """(argmax token, its probability, the m next likeliest as `runner_up` gives them) from draft logits rows [W],
+    no expansion; the softmax's weights computed once for both."""
     lg = rows[:vocab] if ids is None else rows
     j = int(lg.argmax())
-    top = 1.0 / np.exp(lg - lg[j]).sum() if want_top else 1.0
-    return (j if ids is None else int(ids[j])), top
+    z = np.exp(lg - lg[j])
+    s = z.sum()
+    alts = [(a if ids is None or a < 0 else int(ids[a]), q / float(s)) for a, q in runner_up(z, j, m)] if m else []
+    return (j if ids is None else int(ids[j])), float(1.0 / s), alts
 
 
 def runner_up(p: np.ndarray, t: int, m: int = 1) -> list[tuple[int, float]]:
@@ -132,15 +135,6 @@ def runner_up(p: np.ndarray, t: int, m: int = 1) -> list[tuple[int, float]]:
         p[j] = -1.0
     p[taken] = saved
     return out + [(-1, 0.0)] * (m - len(out))
-
-
-def greedy_runner_up(rows: np.ndarray, ids: np.ndarray | None, vocab: int, t: int, m: int = 1) -> list[tuple[int, float]]:
-    """`runner_up` from draft logits rows [W] whose argmax is token t, without expanding them."""
-    lg = rows[:vocab] if ids is None else rows
-    j1 = int(lg.argmax())
-    z = np.exp(lg - lg[j1])
-    s = float(z.sum())
-    return [(j if ids is None or j < 0 else int(ids[j]), q / s) for j, q in runner_up(z, j1, m)]
 
 
 class DraftMemory:
@@ -265,7 +259,7 @@ class ModelProposer:
                     break
             ids = None if allowed is not None else self.ids
             if p is None:
-                t, top = greedy_pick(rows, ids, self.vocab, True)
+                t, top, alts = greedy(rows, ids, self.vocab, self.runner_up)
             else:
                 # warped over the draft's own ids (a third of the vocabulary when restricted: a third of the
                 # work), then spread over all ids for the acceptance test
@@ -276,7 +270,7 @@ class ModelProposer:
             tops.append(float(top))
             if self.runner_up:  # from the logits in hand: no pass
                 m = self.runner_up
-                alt.append(greedy_runner_up(rows, ids, self.vocab, t, m) if p is None else runner_up(p[-1], t, m))
+                alt.append(alts if p is None else runner_up(p[-1], t, m))
             feed = [t]
             if stop is not None and stop(top):
                 break
