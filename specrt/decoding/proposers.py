@@ -89,24 +89,21 @@ class Proposer(Protocol):
         """The first `valid` tokens of the sequence are committed."""
 
 
+def spread(x: np.ndarray, ids: np.ndarray | None, vocab: int, fill: float = 0.0, dtype=None) -> np.ndarray:
+    """Values over the draft's output ids [..., W] -> over all ids [..., vocab]: with a restricted output
+    vocabulary (`ids`, see export/vocab.py) entry j stands for token ids[j] and every other id gets `fill`
+    (a distribution's 0 by default), in `dtype` (default x's)."""
+    if ids is None:
+        return x[..., :vocab]
+    full = np.full(x.shape[:-1] + (vocab,), fill, dtype or x.dtype)
+    full[..., ids] = x
+    return full
+
+
 def expand_logits(rows: np.ndarray, ids: np.ndarray | None, vocab: int) -> np.ndarray:
-    """Draft logits [..., W] -> [..., vocab]. With a restricted output vocabulary (`ids`, see
-    export/vocab.py) row j stands for token ids[j] and every other id gets -inf, i.e. probability 0
+    """Draft logits [..., W] -> [..., vocab], every id outside a restricted vocabulary at -inf, i.e. probability 0
     after warping: the draft distribution renormalised over the kept ids, which keeps the test exact."""
-    if ids is None:
-        return rows[..., :vocab]
-    full = np.full(rows.shape[:-1] + (vocab,), -np.inf, np.float32)
-    full[..., ids] = rows
-    return full
-
-
-def spread(p: np.ndarray, ids: np.ndarray | None, vocab: int) -> np.ndarray:
-    """A distribution over the draft's restricted ids [W] -> over all ids [vocab], every other id 0."""
-    if ids is None:
-        return p
-    full = np.zeros(vocab, p.dtype)
-    full[ids] = p
-    return full
+    return spread(rows, ids, vocab, -np.inf, np.float32)
 
 
 def greedy(rows: np.ndarray, ids: np.ndarray | None, vocab: int, m: int = 0) -> tuple[int, float, list[tuple[int, float]]]:
