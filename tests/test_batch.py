@@ -247,6 +247,52 @@ def test_rows_match_batch_one(request, which):
     rows.close()
 
 
+@pytest.mark.parametrize("which", ["qwen_pair", pytest.param("int4_default_pair", marks=needs_kernels)])
+def test_a_pass_computes_only_the_rows_it_spans(request, which):
+    """Rows that sit out of a pass beyond its first and last rows are not computed as padding: the pass runs
+    on a view of the rows it spans (1 and 2 of 4 here, then 3 alone), writes those rows' caches only, and
+    gives the logits the whole padded batch gives (the same bits where the kernels are row-exact)."""
+    pair = request.getfixturevalue(which)
+    m, rng, B = pair.manifest, np.random.default_rng(5), 4
+    made = [Ragged(batch_engine(pair.dir, pair.target, m.max_len + 9, 9, B), 9) for _ in range(2)]
+    for rows in made:
+        for r in range(B):
+            rows.prefill(r, [int(t) for t in np.random.default_rng(r).integers(3, 300, 6 + 3 * r)])
+    spanned, whole = made
+    whole.span = lambda rows: (0, B)  # the same passes over every row, the others as padding
+    shapes = []
+    run = type(spanned.e).forward_ragged
+
+    def spy(e, tokens, *a, **kw):
+        shapes.append(tokens.shape)
+        return run(e, tokens, *a, **kw)
+
+    type(spanned.e).forward_ragged = spy
+    try:
+        for feeds in ({1: [7, 8, 9], 2: [10]}, {3: [11, 12]}, {0: [13], 3: [14]}):
+            shapes.clear()
+            before = [[k[r].copy() for k in spanned.e.keys] for r in range(B)]
+            got = {r: v.copy() for r, v in spanned.forward(feeds, last=False).items()}
+            lo, hi = min(feeds), max(feeds) + 1
+            assert shapes == [(hi - lo, max(map(len, feeds.values())))]
+            want = {r: v.copy() for r, v in whole.forward(feeds, last=False).items()}
+            assert shapes[1:] == [(B, max(map(len, feeds.values())))]
+            assert spanned.e.lengths.tolist() == whole.e.lengths.tolist()
+            for r in feeds:
+                if pair.target.row_exact:
+                    np.testing.assert_array_equal(got[r], want[r])
+                else:  # fp32, onnxruntime's kernels: matrix products shaped by the pass
+                    np.testing.assert_allclose(got[r], want[r], atol=1e-4)
+            for r in set(range(B)) - set(feeds):  # rows outside the pass: not a slot written
+                for i, k in enumerate(spanned.e.keys):
+                    np.testing.assert_array_equal(k[r], before[r][i])
+    finally:
+        type(spanned.e).forward_ragged = run
+    assert spanned.span([1, 2]) == (1, 3) and spanned.span([]) == (0, B)
+    for rows in made:
+        rows.close()
+
+
 def test_bad_requests(qwen_pair):
     pair, m = qwen_pair, qwen_pair.manifest
     ok = GenerationConfig(max_new_tokens=8, draft_len=2)

@@ -28,8 +28,12 @@ request it ran (a job's shared instruction), exactly as a lone run keeps it (dec
 several rows several tokens each, and the engine runs such passes (verifies, catch-ups) one row at a
 time; one-token passes (draft steps, plain decoding) stay batched.
 
-*Idle rows.* When the queue is empty, finished rows sit out of every pass; the tail of a job therefore
-runs below full batch.
+*Idle rows.* A pass computes the rows from the first that takes part to the last (`span`: a view of those
+rows of the engine, LeanEngine.rows), not the whole batch: when the queue is empty, finished rows sit out of
+every pass, and the tail of a job, a server's partial batch and a draft step of few rows cost what their
+rows cost (an idle row between two active ones is computed as padding; a new request takes the lowest free
+row). A row alone in its pass plans its rounds as a request alone does. Engines that replay captured CUDA
+graphs compute every row.
 
 *Exactness.* A row runs the round of a request alone (decoding/decode.Decoder: a request alone is a
 batch of one): its own `np.random.Generator(seed)`, one uniform for the first token, one per drafted
@@ -116,24 +120,33 @@ class Ragged:
                 return out
         return {**out, **self._call(feeds, last, parents)}
 
+    def span(self, rows) -> tuple[int, int]:
+        """The rows lo .. hi - 1 a pass over `rows` computes: from the first to the last of them, or every row
+        where the engine's passes are captured whole (CUDA graphs)."""
+        rows = list(rows)
+        if getattr(self.e, "captures", False) or not rows:
+            return 0, self.batch
+        return min(rows), max(rows) + 1
+
     def _call(self, feeds: dict[int, list[int]], last: bool,
               parents: dict[int, list[int]] | None = None) -> dict[int, np.ndarray]:
-        e = self.e
         S = max(len(t) for t in feeds.values())
         if S > self.max_width:
             raise ValueError(f"pass of width {S} > {self.max_width}")
+        lo, hi = self.span(feeds)
+        e = self.e.rows(lo, hi)  # rows outside the span sit out without being computed as padding
         tokens = np.full((e.batch, S), PAD_ID, np.int64)
         counts = np.zeros(e.batch, np.int64)
         rows, index = sorted(feeds), []
         for r in rows:
-            n = len(feeds[r])
-            tokens[r, :n], counts[r] = feeds[r], n
-            index.extend([r * S + n - 1] if last else range(r * S, r * S + n))
+            n, at = len(feeds[r]), (r - lo) * S
+            tokens[r - lo, :n], counts[r - lo] = feeds[r], n
+            index.extend([at + n - 1] if last else range(at, at + n))
         tree = None
         if parents:
             tree = np.broadcast_to(np.arange(-1, S - 1), (e.batch, S)).copy()  # rows without a tree: chains
             for r, p in parents.items():
-                tree[r, :len(p)] = p
+                tree[r - lo, :len(p)] = p
         self.passes += 1
         logits = e.forward_ragged(tokens, counts, np.array(index, np.int64), parents=tree)  # [N, W]
         out, at = {}, 0

@@ -191,9 +191,10 @@ class DraftStop:
 
 @dataclass(frozen=True)
 class Batch:
-    """A round of a batch, as one row plans it. A batched pass computes `rows` x its widest row's tokens
-    (rows are right-padded; idle rows too), so a row's draft costs the pass only where it makes the pass
-    wider than `widest`, the rows already planned this round; `rate`: the batch's tokens per second lately."""
+    """A round of a batch, as one row plans it. A batched pass computes `rows` x its widest row's tokens (rows
+    are right-padded; `rows`: from the first active row to the last, idle ones between them included), so a
+    row's draft costs the pass only where it makes the pass wider than `widest`, the rows already planned this
+    round; `rate`: the batch's tokens per second lately."""
 
     rows: int
     widest: int

@@ -166,6 +166,8 @@ class Rows(Protocol):
     def release(self, r: int, seq: list[int] | None = None) -> None:
         """Row r's request ended; `seq` (prompt + output, None: its prompt was never read) is what its slots
         hold, which a later prompt may keep where that is exact."""
+    def span(self, rows: Iterable[int]) -> tuple[int, int]:
+        """The rows lo .. hi - 1 a pass over `rows` computes (rows between them are padding)."""
 
 
 class Single:
@@ -192,6 +194,9 @@ class Single:
         if parents:
             return {r: self.e.forward_ragged(np.array([t]), np.array([len(t)]), at, parents=np.array([parents[r]]))}
         return {r: self.e.forward(np.array([t]), at)[0]}  # [n, W]
+
+    def span(self, rows: Iterable[int]) -> tuple[int, int]:
+        return 0, 1
 
     def keep(self, r: int, n: int, moved: list[tuple[int, int]] = ()) -> None:
         if moved:
@@ -353,11 +358,13 @@ class Decoder:
 
     def _round(self, active: list[tuple[int, _Row]]) -> None:
         # 1. Plan: each row's policy picks who drafts and how far (a round emits at most k + 1 tokens); in a
-        #    batch, against what widening the padded pass beyond the rows planned before it costs, at its rate.
+        #    batch, against what widening the padded pass beyond the rows planned before it costs, at its rate
+        #    (the pass computes the rows from the first active one to the last: one of them is a request alone).
         rate, widest = (self._tokens / self._seconds if self._seconds else 0.0), 1
+        lo, hi = self.target.span(r for r, _ in active)
         for r, row in active:
             left = row.cfg.max_new_tokens - len(row.out)
-            batch = Batch(self.B, widest, rate) if self.B > 1 and rate else None
+            batch = Batch(hi - lo, widest, rate) if hi - lo > 1 and rate else None
             row.proposer, row.k = row.policy.plan(row.seq, min(row.policy.max_k, left - 1), left, batch)
             widest = max(widest, row.k + 1)
         # 2. Draft: the rows' proposers step in lockstep, one draft pass per drafted position; a proposal is cut
@@ -374,7 +381,7 @@ class Decoder:
         if self.target.trees:
             for r, row in active:
                 limit = min(row.policy.max_k, row.cfg.max_new_tokens - len(row.out) - 1)
-                batch = Batch(self.B, widest, rate) if self.B > 1 and rate else None
+                batch = Batch(hi - lo, widest, rate) if hi - lo > 1 and rate else None
                 if tree := row.policy.grow(row.seq, drafts.get(r, NOTHING), limit, row.constraint.fits, batch):
                     trees[r], widest = tree, max(widest, 1 + len(tree))
         # 4. Verify every row's last token and its drafts (or tree) in one target pass.
@@ -383,7 +390,7 @@ class Decoder:
                  for r, row in active}
         logits = self.target.forward(feeds, last=False, parents={r: t.feed_parents() for r, t in trees.items()})
         t2 = time.perf_counter()
-        width = self.B * max(map(len, feeds.values()))  # what the pass computed: rows are right-padded
+        width = (hi - lo) * max(map(len, feeds.values()))  # what the pass computed: rows are right-padded
         self.totals.target_passes += 1
         self.totals.row_rounds += len(active)
         emitted = 0

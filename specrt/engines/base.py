@@ -73,3 +73,8 @@ class RaggedEngine(Engine, Protocol):
     def row(self, r: int) -> RaggedEngine:
         """A batch-1 engine over row r's part of the same caches (a write there is row r's)."""
         ...
+
+    def rows(self, lo: int, hi: int) -> RaggedEngine:
+        """An engine of batch hi - lo over rows lo .. hi - 1 of the same caches (all rows: this engine), so
+        that a pass leaving the other rows out does not compute them as padding."""
+        ...

@@ -311,7 +311,7 @@ class LeanEngine(_Base):
         self._total = np.array([max_len], np.int32)  # slots per row: every length's upper bound
         self._caches_bound = False  # in self._io (bound at the first uncaptured call, where _offset is final)
         self._graphs = _CudaGraphs(self) if self.captures else None
-        self._rows: dict[int, LeanEngine] = {}
+        self._rows: dict[tuple[int, int], LeanEngine] = {}  # views of rows lo .. hi - 1
         # Whether a call takes tokens with parent pointers (forward_ragged's `parents`): the session has the
         # input for them, which only specrt's attention on the CPU takes (int4.plan adds it); every call
         # then feeds it, a chain's where the caller gives none (made once per width: _chains).
@@ -499,9 +499,19 @@ class LeanEngine(_Base):
 
     def row(self, r: int) -> LeanEngine:
         """A batch-1 engine over row r of these buffers (same session; its length is `lengths[r]`)."""
-        if r not in self._rows:
-            self._rows[r] = _RowView(self, r)
-        return self._rows[r]
+        return self._view(r, r + 1)
+
+    def rows(self, lo: int, hi: int) -> LeanEngine:
+        """An engine of batch hi - lo over rows lo .. hi - 1 of these buffers (same session; its lengths are
+        `lengths[lo:hi]`): a pass that leaves the other rows out computes only these (all rows: self)."""
+        return self if (lo, hi) == (0, self.batch) else self._view(lo, hi)
+
+    def _view(self, lo: int, hi: int) -> LeanEngine:
+        if not 0 <= lo < hi <= self.batch:
+            raise ValueError(f"no rows {lo} .. {hi - 1} in an engine of batch {self.batch}")
+        if (lo, hi) not in self._rows:
+            self._rows[lo, hi] = _RowView(self, lo, hi)
+        return self._rows[lo, hi]
 
     def close(self) -> None:
         self._rows.clear()  # the row views hold the buffers too
@@ -511,19 +521,22 @@ class LeanEngine(_Base):
 
 
 class _RowView(LeanEngine):
-    """Row r of a batched LeanEngine as a batch-1 engine: the same session and buffers, its length a view of
-    the batch's `lengths[r]` (it moves in both), its writes at row r's offset; uncaptured (a CUDA graph
-    holds the batch's addresses), but on a session that captures, so its calls must say so: a call without a
-    graph id would capture graph 0 and then replay it with another call's inputs."""
+    """Rows lo .. hi - 1 of a batched LeanEngine as an engine of batch hi - lo: the same session and buffers
+    (its rows are contiguous in them: caches [B, Hkv, C, D]), its lengths a view of the batch's `lengths[lo:hi]`
+    (they move in both), its writes at row lo's offset; uncaptured (a CUDA
+    graph holds the batch's addresses), but on a session that captures, so its calls must say so: a call
+    without a graph id would capture graph 0 and then replay it with another call's inputs."""
 
-    def __init__(self, batch: LeanEngine, r: int):
-        super().__init__(None, batch.entry, batch.max_len, batch._max_logits, 1, session=batch.session,
+    def __init__(self, batch: LeanEngine, lo: int, hi: int):
+        super().__init__(None, batch.entry, batch.max_len, batch._max_logits, hi - lo, session=batch.session,
                          device=batch.device, device_id=batch.device_id, cuda_graph=batch.captures,
                          capture_width=batch.capture_width, prefill_chunk=batch.prefill_chunk,
                          buffers=(batch.keys, batch.values, batch._key_ptrs, batch._value_ptrs), kernel=batch.kernel)
-        self.lengths = batch.lengths[r:r + 1]
-        self.lowest_write = batch.lowest_write[r:r + 1]
-        self._offset = batch._offset + r * batch._row_bytes
+        self.lengths = batch.lengths[lo:hi]
+        self.lowest_write = batch.lowest_write[lo:hi]
+        self._offset = batch._offset + lo * batch._row_bytes
+        if hi - lo > 1:  # a span's logits, read within its caller's round, go in the batch's buffer
+            self._logits = batch._logits
         self._graphs = None
 
 
